@@ -1,0 +1,107 @@
+"""The reference executor: runs any IR graph in fp32 torch, op by op.
+
+Its op implementations *are* the IR's semantics; every other backend is tested against
+it. It is also the path cold experts and spilled tokens take at run time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op
+
+
+def _rmsnorm(x, w, *, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _layernorm(x, w, b=None, *, eps):
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+
+def _rotate(x, cos, sin, interleaved):
+    if interleaved:
+        half = cos.shape[-1] // 2
+        c, s = cos[..., :half], sin[..., :half]
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def _rope(x, cos, sin, *, rotary_dim, interleaved):
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((_rotate(rot, cos, sin, interleaved), rest), dim=-1)
+
+
+def _sdpa(q, k, v, mask, sinks=None, *, scale):
+    groups = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+    logits = torch.matmul(q, k.transpose(1, 2)) * scale + mask
+    if sinks is None:
+        probs = torch.softmax(logits, dim=-1)
+    else:
+        sink = sinks.reshape(-1, 1, 1).expand(-1, logits.shape[1], 1)
+        joint = torch.cat((logits, sink), dim=-1)
+        probs = torch.softmax(joint - joint.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.matmul(probs, v)
+
+
+def _slice(x, *, axis, start, stop, step):
+    return x.narrow(axis, start, stop - start) if step == 1 else x[(slice(None),) * axis + (slice(start, stop, step),)]
+
+
+OP_IMPLS: dict[str, Callable] = {
+    "linear": lambda x, w, b=None: F.linear(x, w, b),
+    "rmsnorm": _rmsnorm,
+    "layernorm": _layernorm,
+    "rope": _rope,
+    "sdpa": _sdpa,
+    "silu": F.silu,
+    "gelu": lambda x, *, approximate: F.gelu(x, approximate=approximate),
+    "relu": F.relu,
+    "sigmoid": torch.sigmoid,
+    "add": torch.add,
+    "mul": torch.mul,
+    "affine": lambda x, *, scale, shift: x * scale + shift,
+    "clamp": lambda x, *, min, max: torch.clamp(x, min=min, max=max),
+    "reshape": lambda x, *, shape: x.reshape(shape),
+    "transpose": lambda x, *, perm: x.permute(perm),
+    "slice": _slice,
+    "concat": lambda *xs, axis: torch.cat(xs, dim=axis),
+}
+
+
+def register_op(name: str, impl: Callable) -> None:
+    """Add an op implementation (``lut_linear`` arrives with ``npumoe.luts``)."""
+    OP_IMPLS[name] = impl
+
+
+class TorchGraphExecutor:
+    """Binds a graph's weights once; each call runs its ops in order."""
+
+    def __init__(self, graph: Graph, weights: Mapping[str, torch.Tensor]):
+        self.graph = graph
+        self._steps = [self._bind(op, weights) for op in graph.ops]
+
+    @staticmethod
+    def _bind(op: Op, weights):
+        if op.op not in OP_IMPLS:
+            raise NotImplementedError(f"the CPU executor has no implementation of IR op {op.op!r}")
+        impl, attrs = OP_IMPLS[op.op], op.a
+        args = [weights[n[len(WEIGHT_PREFIX):]] if n.startswith(WEIGHT_PREFIX) else n for n in op.inputs]
+        return impl, args, attrs, op.outputs
+
+    def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        env = dict(inputs)
+        for impl, args, attrs, outputs in self._steps:
+            result = impl(*[env[a] if isinstance(a, str) else a for a in args], **attrs)
+            if len(outputs) == 1:
+                env[outputs[0]] = result
+            else:
+                env.update(zip(outputs, result))
+        return {name: env[name] for name in self.graph.outputs}

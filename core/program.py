@@ -1,0 +1,91 @@
+"""The Program: every static graph a model needs, and the host steps that connect them.
+
+Built from a spec and (optionally) a plan. Without a plan each MoE layer gets one graph
+per expert at capacity = sequence length, so no routed token can overflow and the
+program computes exactly what the checkpoint defines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from npumoe.core import graphs
+from npumoe.core.ir import Graph
+from npumoe.core.spec import ModelSpec, MoESpec
+
+HOST_OPS = ("embed", "rope_tables", "attention_mask", "kv_append", "router", "dispatch", "combine", "residual", "sample")
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    graph: str
+    experts: tuple[int, ...]
+    capacity: int
+
+    def slot_base(self, g: int) -> int:
+        return g * self.capacity
+
+
+@dataclass
+class MoEStep:
+    groups: dict[int, list[ExpertGroup]]  # by sequence length
+    shared: dict[int, str] | None  # shared-expert graph by sequence length
+    overflow: str = "spill"
+
+
+@dataclass
+class LayerStep:
+    attention: dict[int, str]
+    dense: dict[int, str] | None = None
+    moe: MoEStep | None = None
+
+
+@dataclass
+class Program:
+    spec: ModelSpec
+    chunk: int
+    max_context: int
+    graphs: dict[str, Graph]
+    layers: list[LayerStep]
+    lm_head: dict[int, str]
+    host_ops: tuple[str, ...] = field(default=HOST_OPS)
+
+    @property
+    def seqs(self) -> tuple[int, ...]:
+        return tuple(sorted({self.chunk, 1}, reverse=True))
+
+
+def _add(graphs_: dict[str, Graph], g: Graph) -> str:
+    graphs_[g.name] = g
+    return g.name
+
+
+def unplanned_groups(spec: ModelSpec, i: int, seq: int) -> list[ExpertGroup]:
+    """One group per expert with room for every token of the chunk: exact, never overflows."""
+    moe: MoESpec = spec.layers[i].ffn
+    return [ExpertGroup(f"L{i}.experts.e{e}.c{seq}", (e,), seq) for e in range(moe.num_experts)]
+
+
+def build_program(spec: ModelSpec, chunk: int = 64, max_context: int = 512, plan=None) -> Program:
+    """Lay out every graph for prefill chunks of ``chunk`` tokens and single-token decode."""
+    out: dict[str, Graph] = {}
+    seqs = sorted({chunk, 1}, reverse=True)
+    steps: list[LayerStep] = []
+    for i, ls in enumerate(spec.layers):
+        step = LayerStep(attention={s: _add(out, graphs.attention_graph(spec, i, s, max_context)) for s in seqs})
+        if isinstance(ls.ffn, MoESpec):
+            groups = {s: (plan.groups(i, s) if plan is not None else unplanned_groups(spec, i, s)) for s in seqs}
+            for s in seqs:
+                for grp in groups[s]:
+                    if grp.graph not in out:
+                        _add(out, graphs.experts_graph(spec, i, grp.experts, grp.capacity, grp.graph))
+            shared = {s: _add(out, graphs.ffn_graph(spec, i, s, shared=True)) for s in seqs} if ls.ffn.shared else None
+            overflow = plan.overflow if plan is not None else "spill"
+            step.moe = MoEStep(groups=groups, shared=shared, overflow=overflow)
+        else:
+            step.dense = {s: _add(out, graphs.ffn_graph(spec, i, s)) for s in seqs}
+        steps.append(step)
+    lm_head = {s: _add(out, graphs.lm_head_graph(spec, s)) for s in seqs}
+    if plan is not None:
+        plan.place(out)
+    return Program(spec, chunk, max_context, out, steps, lm_head)

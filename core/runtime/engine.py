@@ -1,0 +1,228 @@
+"""The engine: chunked prefill, KV cache, greedy decode — all through the Program's graphs.
+
+Host steps (embedding, rope tables, masks, KV appends, routing, dispatch, combine,
+residuals, sampling) run here; every static graph runs on the executor its placement
+names. Nothing here calls transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from npumoe.backends.base import Executor
+from npumoe.backends.cpu.executor import TorchGraphExecutor
+from npumoe.core.program import MoEStep, Program, build_program
+from npumoe.core.rope import cos_sin
+from npumoe.core.runtime.dispatch import Layout, assign, combine, gather
+from npumoe.core.runtime.kvcache import KVCache, attention_mask
+from npumoe.core.runtime.metrics import Metrics
+from npumoe.core.runtime.router import route
+from npumoe.core.spec import MoESpec
+from npumoe.errors import InputError
+
+DEFAULT_CHUNK = 64
+DEFAULT_MAX_CONTEXT = 512
+
+
+class Engine:
+    """Run a loaded model: ``forward(ids)`` → logits, ``generate(ids, n)`` → new ids."""
+
+    def __init__(self, model, plan=None, backend: str = "cpu", artifacts=None,
+                 chunk: int | None = None, max_context: int | None = None, on_route=None):
+        """``on_route(layer, experts[S,k], weights[S,k], attn_out[S,H])`` observes every routing
+        decision (calibration and tests use it); it must not modify its arguments."""
+        self.model = model
+        self.on_route = on_route
+        self.spec = model.spec
+        chunk = chunk or (plan.chunk if plan is not None else DEFAULT_CHUNK)
+        max_context = max_context or min(self.spec.max_position, DEFAULT_MAX_CONTEXT)
+        if plan is not None:
+            plan.check_model(model)
+        self.program: Program = build_program(self.spec, chunk=chunk, max_context=max_context, plan=plan)
+        self.executors: dict[str, Executor] = self._load_executors(backend, artifacts)
+        self.spill_executors = self._spill_executors()
+        self.cache = KVCache(self.program)
+        self.metrics_ = Metrics()
+        self._layouts = {
+            (i, s): Layout.of(step.moe.groups[s], self.spec.layers[i].ffn.num_experts)
+            for i, step in enumerate(self.program.layers) if step.moe
+            for s in self.program.seqs
+        }
+
+    # -- set-up ---------------------------------------------------------------------------
+    def _load_executors(self, backend: str, artifacts) -> dict[str, Executor]:
+        weights = self.model.weights
+        execs: dict[str, Executor] = {
+            name: TorchGraphExecutor(g, weights) for name, g in self.program.graphs.items() if g.placement == "cpu"
+        }
+        npu = [g for g in self.program.graphs.values() if g.placement == "npu"]
+        if npu and backend == "cpu":
+            execs.update({g.name: TorchGraphExecutor(g, weights) for g in npu})
+        elif npu:
+            from npumoe.backends.base import get_backend
+            from npumoe.core.artifacts import load_executors
+
+            execs.update(load_executors(get_backend(backend), artifacts, npu, weights, self.model))
+        return execs
+
+    def _spill_executors(self) -> dict[tuple[int, int], Executor]:
+        """One any-size CPU executor per routed expert: the path for tokens past capacity."""
+        from npumoe.core.graphs import experts_graph
+
+        out = {}
+        for i, ls in enumerate(self.spec.layers):
+            if isinstance(ls.ffn, MoESpec):
+                for e in range(ls.ffn.num_experts):
+                    g = experts_graph(self.spec, i, (e,), 1, f"L{i}.spill.e{e}")
+                    out[(i, e)] = TorchGraphExecutor(g, self.model.weights)
+        return out
+
+    @property
+    def metrics(self) -> dict:
+        return self.metrics_.as_dict()
+
+    # -- public API -----------------------------------------------------------------------
+    def forward(self, ids) -> np.ndarray:
+        """Logits [T, vocab] (fp32) for a fresh sequence of token ids."""
+        ids = self._check_ids(ids)
+        self.cache.reset()
+        return self._prefill(ids).numpy()
+
+    def generate(self, ids, max_new_tokens: int = 32, return_logits: bool = False):
+        """Greedy decoding from ``ids``; returns only the new tokens, stopping after an EOS.
+
+        With ``return_logits`` also the logits [n, vocab] each new token was picked from."""
+        ids = self._check_ids(ids)
+        if self.cache.capacity < len(ids) + max_new_tokens:
+            raise InputError(
+                f"prompt ({len(ids)} tokens) plus {max_new_tokens} new tokens exceeds the KV cache "
+                f"length {self.cache.capacity}; shorten the prompt or build with a larger max_context."
+            )
+        self.cache.reset()
+        logits = self._prefill(ids)[-1]
+        new: list[int] = []
+        seen: list[torch.Tensor] = []
+        eos = set(self.spec.eos_token_ids)
+        while len(new) < max_new_tokens:
+            seen.append(logits)
+            with self.metrics_.time("sample"):
+                token = int(torch.argmax(logits))
+            new.append(token)
+            if token in eos or len(new) == max_new_tokens:
+                break
+            logits = self._step(torch.tensor([token]), valid=1)[0]
+        tokens = np.asarray(new, dtype=np.int64)
+        return (tokens, torch.stack(seen).numpy()) if return_logits else tokens
+
+    # -- internals ------------------------------------------------------------------------
+    def _check_ids(self, ids) -> torch.Tensor:
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or arr.size == 0:
+            raise InputError("the prompt is empty (or not a 1-D list of token ids); give at least one token.")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise InputError(f"token ids must be integers, got dtype {arr.dtype}.")
+        bad = arr[(arr < 0) | (arr >= self.spec.vocab_size)]
+        if bad.size:
+            raise InputError(
+                f"token id {int(bad[0])} is outside the vocabulary [0, {self.spec.vocab_size}); "
+                "was the prompt tokenized for another model?"
+            )
+        if arr.size > self.cache.capacity:
+            raise InputError(
+                f"the prompt has {arr.size} tokens but the KV cache holds {self.cache.capacity}; "
+                "shorten it or raise max_context."
+            )
+        return torch.from_numpy(arr.astype(np.int64))
+
+    def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        chunk, rows = self.program.chunk, []
+        for start in range(0, len(ids), chunk):
+            piece = ids[start:start + chunk]
+            valid = len(piece)
+            padded = torch.cat([piece, piece.new_zeros(chunk - valid)]) if valid < chunk else piece
+            rows.append(self._step(padded, valid)[:valid])
+        return torch.cat(rows)
+
+    def _run(self, name: str, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        placement = self.program.graphs[name].placement
+        self.metrics_.add("npu_launches" if placement == "npu" else "cpu_launches")
+        return self.executors[name](inputs)
+
+    def _step(self, ids: torch.Tensor, valid: int) -> torch.Tensor:
+        """One static-shape pass over ``len(ids)`` positions, the first ``valid`` real."""
+        seq, start, spec, m = len(ids), self.cache.length, self.spec, self.metrics_
+        with m.time("embed"):
+            x = self.model.weights["embed.weight"][ids] * spec.embedding_scale
+        for i, step in enumerate(self.program.layers):
+            att = spec.layers[i].attention
+            with m.time("rope_mask"):
+                head_dim = att.qk_rope_head_dim if att.kind == "mla" else att.head_dim
+                cos, sin = cos_sin(att.rope, head_dim, np.arange(start, start + seq), start + seq)
+                mask = attention_mask(att, start, seq, valid, self.cache.capacity)
+            with m.time("attention"):
+                out = self._run(step.attention[seq], {
+                    "x": x, "cos": torch.from_numpy(cos), "sin": torch.from_numpy(sin), "mask": mask,
+                    "k_cache": self.cache.k[i], "v_cache": self.cache.v[i],
+                })
+            self.cache.append(i, out["k_new"], out["v_new"], valid)
+            h, z = out["h"], out["z"]
+            if step.moe is not None:
+                y = self._moe(i, step.moe, z, h - x, seq, valid)
+            else:
+                with m.time("ffn"):
+                    y = self._run(step.dense[seq], {"z": z})["y"]
+            with m.time("residual"):
+                x = h + y
+        self.cache.length += valid
+        with m.time("lm_head"):
+            return self._run(self.program.lm_head[seq], {"x": x})["logits"]
+
+    def _moe(self, i: int, step: MoEStep, z: torch.Tensor, attn_out: torch.Tensor, seq: int, valid: int):
+        moe: MoESpec = self.spec.layers[i].ffn
+        weights, m = self.model.weights, self.metrics_
+        prefix = f"layers.{i}.moe.router"
+        with m.time("router"):
+            experts, gates, _ = route(
+                z[:valid], moe.router, weights[f"{prefix}.weight"],
+                weights[f"{prefix}.bias"] if moe.router.bias else None,
+                weights[f"{prefix}.correction_bias"] if moe.router.correction_bias else None,
+            )
+        if self.on_route is not None:
+            self.on_route(i, experts, gates, attn_out[:valid])
+        layout = self._layouts[(i, seq)]
+        with m.time("gather"):
+            d = assign(experts, gates, layout)
+            buf = gather(z, d, layout)
+        m.add("routed", d.token.numel())
+        m.add("padded", layout.rows - int(d.fits.sum()))
+        with m.time("expert_ffn"):
+            y_buf = torch.empty_like(buf)
+            for grp, offset in zip(layout.groups, layout.group_offsets):
+                rows = len(grp.experts) * grp.capacity
+                y_buf[offset:offset + rows] = self._run(grp.graph, {"x": buf[offset:offset + rows]})["y"]
+        with m.time("scatter"):
+            y = combine(y_buf, d, seq)
+        if d.overflow.any():
+            y += self._spill(i, z, d)
+        if step.shared is not None:
+            with m.time("shared_ffn"):
+                y = y + self._run(step.shared[seq], {"z": z})["y"]
+        return y
+
+    def _spill(self, i: int, z: torch.Tensor, d) -> torch.Tensor:
+        """Tokens past an expert's capacity run on the CPU with the same weights: none is lost."""
+        m = self.metrics_
+        out = torch.zeros_like(z)
+        over = d.overflow.nonzero().flatten()
+        m.add("spilled", over.numel())
+        with m.time("spill_ffn"):
+            for e in torch.unique(d.expert[over]).tolist():
+                pairs = over[d.expert[over] == e]
+                toks = d.token[pairs]
+                y = self.spill_executors[(i, e)]({"x": z[toks]})["y"]
+                m.add("cpu_launches")
+                out.index_add_(0, toks, y * d.weight[pairs, None])
+        return out

@@ -1,0 +1,57 @@
+"""The KV cache lives on the host; graphs see it as fixed-length inputs plus an additive mask."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from npumoe.core.program import Program
+from npumoe.core.spec import AttentionSpec
+
+MASKED = float("-inf")
+
+
+class KVCache:
+    """Per layer K [heads, L, Dk] and V [heads, L, Dv], slot j holding absolute position j."""
+
+    def __init__(self, program: Program):
+        self.capacity = program.max_context
+        self.k, self.v = [], []
+        for i in range(program.spec.num_layers):
+            g = program.graphs[program.layers[i].attention[1]]
+            self.k.append(torch.zeros(g.inputs["k_cache"].shape))
+            self.v.append(torch.zeros(g.inputs["v_cache"].shape))
+        self.length = 0
+
+    def reset(self) -> None:
+        self.length = 0
+        for t in (*self.k, *self.v):
+            t.zero_()
+
+    def append(self, i: int, k_new: torch.Tensor, v_new: torch.Tensor, valid: int) -> None:
+        """Write layer ``i``'s first ``valid`` new positions at the current length."""
+        end = self.length + valid
+        self.k[i][:, self.length:end] = k_new[:, :valid]
+        self.v[i][:, self.length:end] = v_new[:, :valid]
+
+
+def attention_mask(att: AttentionSpec, start: int, seq: int, valid: int, capacity: int) -> torch.Tensor:
+    """Additive mask [seq, capacity + seq] for queries at positions start..start+seq-1.
+
+    Columns [0, capacity) are cache slots (valid below ``start``), the rest this chunk's
+    own keys (causal, valid below ``valid``). Padding rows see only themselves, so no row
+    is empty and no NaN can appear.
+    """
+    q_pos = start + np.arange(seq)[:, None]
+    cache_pos = np.arange(capacity)[None, :]
+    new_pos = start + np.arange(seq)[None, :]
+    visible_cache = cache_pos < start
+    visible_new = (new_pos <= q_pos) & (new_pos < start + valid)
+    if att.sliding_window is not None:
+        visible_cache &= cache_pos > q_pos - att.sliding_window
+        visible_new &= new_pos > q_pos - att.sliding_window
+    visible = np.concatenate([np.broadcast_to(visible_cache, (seq, capacity)), visible_new], axis=1)
+    pad_rows = np.arange(seq) >= valid
+    visible[pad_rows] = False
+    visible[pad_rows, capacity + np.arange(seq)[pad_rows]] = True
+    return torch.from_numpy(np.where(visible, 0.0, MASKED).astype(np.float32))

@@ -1,0 +1,32 @@
+"""Counters and per-op timers the engine keeps; ``Engine.metrics`` is a plain dict of them."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+COUNTS = ("routed", "padded", "spilled", "dropped", "rerouted", "npu_launches", "cpu_launches")
+
+
+class Metrics:
+    def __init__(self):
+        self.counts: dict[str, int] = dict.fromkeys(COUNTS, 0)
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def add(self, name: str, n: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + int(n)
+
+    @contextmanager
+    def time(self, op: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[op] += time.perf_counter() - start
+
+    def as_dict(self) -> dict:
+        return {**self.counts, "seconds": dict(self.seconds)}
+
+    def reset(self) -> None:
+        self.__init__()

@@ -1,0 +1,141 @@
+"""What every family adapter shares: config reading and Hugging Face → canonical tensor names.
+
+Most MoE families use the same Llama-style tensor names, so the table below covers them
+all (per-expert modules and stacked 3-D expert tensors alike); a family file mostly just
+turns its config into a :class:`~npumoe.core.spec.ModelSpec`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+
+import torch
+
+from npumoe.core.spec import NormSpec, RopeSpec
+from npumoe.errors import UnsupportedModelError
+
+Tensors = Iterator[tuple[str, torch.Tensor]]
+Rule = tuple[re.Pattern, Callable[[re.Match, torch.Tensor], Tensors]]
+
+L = r"model\.layers\.(\d+)\."
+
+
+def rename(template: str) -> Callable[[re.Match, torch.Tensor], Tensors]:
+    """A rule that maps one tensor to one canonical name (regex groups fill the template)."""
+
+    def handler(m: re.Match, t: torch.Tensor) -> Tensors:
+        yield m.expand(template), t
+
+    return handler
+
+
+def stacked_experts(kind: str) -> Callable[[re.Match, torch.Tensor], Tensors]:
+    """Split stacked expert tensors: gate_up [E, 2I, H] (gate rows first) or down [E, H, I]."""
+
+    def handler(m: re.Match, t: torch.Tensor) -> Tensors:
+        i = m.group(1)
+        for e in range(t.shape[0]):
+            base = f"layers.{i}.moe.experts.{e}"
+            if kind == "gate_up":
+                gate, up = t[e].chunk(2, dim=0)
+                yield f"{base}.gate.weight", gate
+                yield f"{base}.up.weight", up
+            else:
+                yield f"{base}.down.weight", t[e]
+
+    return handler
+
+
+def rules(*pairs: tuple[str, Callable]) -> list[Rule]:
+    return [(re.compile(p + r"$"), h) for p, h in pairs]
+
+
+COMMON_RULES: list[Rule] = rules(
+    (r"model\.embed_tokens\.weight", rename("embed.weight")),
+    (r"model\.norm\.(weight|bias)", rename(r"norm.\1")),
+    (r"lm_head\.(weight|bias)", rename(r"lm_head.\1")),
+    (L + r"input_layernorm\.(weight|bias)", rename(r"layers.\1.attn_norm.\2")),
+    (L + r"post_attention_layernorm\.(weight|bias)", rename(r"layers.\1.ffn_norm.\2")),
+    (L + r"self_attn\.(q|k|v|o)_proj\.(weight|bias)", rename(r"layers.\1.attn.\2.\3")),
+    (L + r"self_attn\.(q|k)_norm\.weight", rename(r"layers.\1.attn.\2_norm.weight")),
+    (L + r"mlp\.(gate|up|down)_proj\.(weight|bias)", rename(r"layers.\1.mlp.\2.\3")),
+    (L + r"mlp\.gate\.weight", rename(r"layers.\1.moe.router.weight")),
+    (L + r"mlp\.gate\.e_score_correction_bias", rename(r"layers.\1.moe.router.correction_bias")),
+    (L + r"mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|bias)", rename(r"layers.\1.moe.experts.\2.\3.\4")),
+    (L + r"mlp\.experts\.gate_up_proj", stacked_experts("gate_up")),
+    (L + r"mlp\.experts\.down_proj", stacked_experts("down")),
+    (L + r"mlp\.shared_experts?\.(gate|up|down)_proj\.weight", rename(r"layers.\1.moe.shared.\2.weight")),
+    (L + r"mlp\.shared_expert_gate\.weight", rename(r"layers.\1.moe.shared_gate.weight")),
+)
+
+
+class Adapter:
+    """One Hugging Face family. Subclasses set ``model_types`` and implement :meth:`spec`;
+    they add ``extra_rules`` (tried first) only where their tensor names differ."""
+
+    model_types: tuple[str, ...] = ()
+    extra_rules: list[Rule] = []
+
+    def spec(self, cfg: dict):
+        raise NotImplementedError
+
+    def canonical(self, key: str, tensor: torch.Tensor) -> Tensors:
+        """Canonical (name, tensor) pairs for one checkpoint tensor; nothing if it is not ours."""
+        for pattern, handler in (*self.extra_rules, *COMMON_RULES):
+            m = pattern.match(key)
+            if m:
+                yield from handler(m, tensor)
+                return
+
+
+# -- config helpers ---------------------------------------------------------------------------
+def first(cfg: dict, *keys: str, default=None):
+    """The first of ``keys`` present (and not None) in cfg: configs spell the same thing many ways."""
+    for k in keys:
+        if cfg.get(k) is not None:
+            return cfg[k]
+    return default
+
+
+def require(cfg: dict, *keys: str):
+    value = first(cfg, *keys)
+    if value is None:
+        raise UnsupportedModelError(
+            f"config.json has none of {', '.join(map(repr, keys))}; it is incomplete for its model_type."
+        )
+    return value
+
+
+def rope_spec(cfg: dict, head_dim: int, interleaved: bool = False) -> RopeSpec:
+    """RoPE from either spelling: ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``."""
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    partial = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0
+    params.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    clean = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items() if v is not None))
+    return RopeSpec(
+        theta=theta,
+        rotary_dim=int(head_dim * partial),
+        kind=kind,
+        params=clean,
+        interleaved=interleaved,
+        max_position=int(cfg.get("max_position_embeddings", 2048)),
+    )
+
+
+def rms_norm(cfg: dict) -> NormSpec:
+    return NormSpec("rms", float(first(cfg, "rms_norm_eps", "layer_norm_eps", default=1e-6)))
+
+
+def eos_ids(cfg: dict) -> tuple[int, ...]:
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def layer_indices(cfg: dict, value, n_layers: int) -> set[int]:
+    return set(value or ()) & set(range(n_layers))

@@ -1,0 +1,87 @@
+"""``npumoe.load``: a Hugging Face directory (config.json + safetensors) → :class:`Model`.
+
+Only safetensors are read. Pickle checkpoints (.bin, .pt, .pth) can run arbitrary code
+when loaded, so npumoe refuses them and says how to convert.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from npumoe.core.spec import ModelSpec
+from npumoe.core.weights import Weights
+from npumoe.errors import ModelDirError, WeightError
+from npumoe.models.registry import adapter_for
+from npumoe.models.tokenizer import load_tokenizer
+
+DEMO_DIR = Path(__file__).parent / "demo"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass
+class Model:
+    spec: ModelSpec
+    weights: Weights
+    config: dict
+    path: Path
+    tokenizer: object = field(repr=False, default=None)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def fingerprint(self) -> str:
+        return self.spec.fingerprint()
+
+
+def read_config(path: Path) -> dict:
+    if not path.is_dir():
+        raise ModelDirError(f"model directory {str(path)!r} does not exist; pass a Hugging Face checkpoint directory.")
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ModelDirError(f"{str(path)!r} has no config.json; point --model at a Hugging Face checkpoint directory.")
+    try:
+        return json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelDirError(f"{cfg_path} is not valid JSON ({err}).") from err
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise WeightError(
+            f"{path} holds only pickle checkpoints ({', '.join(pickles)}); npumoe never unpickles weights. "
+            "Convert them to safetensors first (e.g. save_pretrained(..., safe_serialization=True))."
+        )
+    raise WeightError(f"{path} has no *.safetensors weights.")
+
+
+def read_tensors(path: Path, adapter) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in safetensors_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():
+                    tensors.update(adapter.canonical(key, f.get_tensor(key)))
+        except SafetensorError as err:
+            raise WeightError(f"{file.name} is not a readable safetensors file ({err}).") from err
+    return tensors
+
+
+def load(path: str | Path | None = None) -> Model:
+    """Load a checkpoint directory (default: the shipped demo model)."""
+    path = Path(path) if path is not None else DEMO_DIR
+    cfg = read_config(path)
+    adapter = adapter_for(cfg.get("model_type"))
+    spec = adapter.spec(cfg)
+    weights = Weights(read_tensors(path, adapter), spec, source=str(path))
+    return Model(spec=spec, weights=weights, config=cfg, path=path, tokenizer=load_tokenizer(path))

@@ -1,0 +1,80 @@
+"""The `npumoe` command line.
+
+Subcommands live next to the code they drive and are imported only when invoked, so
+`npumoe --help` stays fast. A subcommand is registered here by its dotted path.
+Any :class:`npumoe.errors.NpumoeError` becomes one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from npumoe.errors import NpumoeError
+
+
+class LazyGroup(click.Group):
+    """A click group whose commands are ``"module:attribute"`` paths, imported on use."""
+
+    def __init__(self, *args, lazy: dict[str, str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy))
+
+    def get_command(self, ctx, name):
+        if name in self.lazy:
+            module, attr = self.lazy[name].split(":")
+            return getattr(importlib.import_module(module), attr)
+        return super().get_command(ctx, name)
+
+
+COMMANDS = {
+    "inspect": "npumoe.models.cli:inspect_command",
+    "generate": "npumoe.core.cli:generate_command",
+    "demo": "npumoe.core.cli:demo_command",
+    "bench": "npumoe.cli:bench",
+}
+
+BENCHMARKS = {
+    "lut": "npumoe.luts.bench:bench_lut_command",
+}
+
+
+@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="npumoe")
+def cli():
+    """npumoe: Mixture-of-Experts LLMs on phone and laptop NPUs.
+
+    One Hugging Face MoE checkpoint in; static, NPU-friendly graphs out for the Apple
+    Neural Engine (Core ML) and the Qualcomm Hexagon NPU (QNN); one shared host runtime
+    for routing, dispatch and combine. Every `--model` defaults to the embedded demo model.
+    """
+
+
+@click.group(cls=LazyGroup, lazy=BENCHMARKS)
+def bench():
+    """Benchmarks: speed figures live here, never in unit tests."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="npumoe", standalone_mode=False)
+    except NpumoeError as err:
+        click.echo(f"error: {err}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as err:
+        err.show()
+        sys.exit(2 if err.exit_code == 2 else err.exit_code)
+    except click.exceptions.Exit as err:
+        sys.exit(err.exit_code)
+
+
+if __name__ == "__main__":
+    main()

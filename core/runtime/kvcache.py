@@ -45,12 +45,12 @@ def attention_mask(att: AttentionSpec, start: int, seq: int, valid: int, capacit
     q_pos = start + np.arange(seq)[:, None]
     cache_pos = np.arange(capacity)[None, :]
     new_pos = start + np.arange(seq)[None, :]
-    visible_cache = cache_pos < start
+    visible_cache = np.broadcast_to(cache_pos < start, (seq, capacity)).copy()
     visible_new = (new_pos <= q_pos) & (new_pos < start + valid)
     if att.sliding_window is not None:
         visible_cache &= cache_pos > q_pos - att.sliding_window
         visible_new &= new_pos > q_pos - att.sliding_window
-    visible = np.concatenate([np.broadcast_to(visible_cache, (seq, capacity)), visible_new], axis=1)
+    visible = np.concatenate([visible_cache, visible_new], axis=1)
     pad_rows = np.arange(seq) >= valid
     visible[pad_rows] = False
     visible[pad_rows, capacity + np.arange(seq)[pad_rows]] = True

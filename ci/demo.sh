@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Fresh machine → npumoe installed → the main job on the embedded demo model.
+source "$(dirname "$0")/lib.sh"
+ensure_torch
+"$PY" -m pip install --quiet -e .
+npumoe demo "$@"

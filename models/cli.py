@@ -1,0 +1,112 @@
+"""`npumoe inspect`: what a checkpoint is, as npumoe understands it."""
+
+from __future__ import annotations
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from npumoe.core.spec import ModelSpec, MoESpec
+from npumoe.core.weights import attention_shapes, expected_shapes, mlp_shapes
+from npumoe.models.loader import DEMO_DIR, load
+
+def _count(shapes: dict) -> int:
+    total = 0
+    for shape in shapes.values():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    return total
+
+
+def parameter_counts(spec: ModelSpec) -> dict[str, int]:
+    """Total and per-token active parameters (embeddings counted once)."""
+    total = _count(expected_shapes(spec))
+    active = total
+    for i, ls in enumerate(spec.layers):
+        if isinstance(ls.ffn, MoESpec):
+            per_expert = _count(mlp_shapes("e", ls.ffn.expert, spec.hidden_size))
+            active -= per_expert * (ls.ffn.num_experts - ls.ffn.top_k)
+    attention = sum(_count(attention_shapes("a", ls.attention, spec.hidden_size)) for ls in spec.layers)
+    return {"total": total, "active_per_token": active, "attention": attention}
+
+
+def describe_router(moe: MoESpec) -> str:
+    r = moe.router
+    parts = [f"{r.scoring} top-{r.top_k}"]
+    if r.n_group > 1:
+        parts.append(f"group-limited {r.topk_group}/{r.n_group}")
+    if r.correction_bias:
+        parts.append("bias-corrected")
+    if r.normalize:
+        parts.append("renormalised")
+    if r.routed_scaling != 1.0:
+        parts.append(f"×{r.routed_scaling:g}")
+    if moe.shared is not None:
+        parts.append("+shared" + (" (gated)" if moe.shared_gate else ""))
+    return ", ".join(parts)
+
+
+def layer_ranges(indices: list[int]) -> str:
+    """[0, 1, 2, 5] → "0-2, 5"."""
+    spans: list[list[int]] = []
+    for i in indices:
+        if spans and i == spans[-1][1] + 1:
+            spans[-1][1] = i
+        else:
+            spans.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
+
+
+def _human(n: float, unit: str = "") -> str:
+    for prefix in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000:
+            return f"{n:.3g} {prefix}{unit}".strip()
+        n /= 1000
+    return f"{n:.3g} P{unit}"
+
+
+@click.command("inspect")
+@click.argument("model_dir", required=False, default=str(DEMO_DIR), type=click.Path())
+def inspect_command(model_dir: str):
+    """Show a checkpoint's layers, experts, router, parameter counts and sizes.
+
+    MODEL_DIR defaults to the shipped demo model. Example: npumoe inspect ~/models/Qwen3-30B-A3B
+    """
+    model = load(model_dir)
+    spec = model.spec
+    console = Console()
+    counts = parameter_counts(spec)
+    disk = sum(f.stat().st_size for f in model.path.glob("*.safetensors"))
+    console.print(f"[bold]{model.path}[/bold]  family [cyan]{spec.family}[/cyan]  fingerprint {spec.fingerprint()}")
+    console.print(
+        f"vocab {spec.vocab_size}, hidden {spec.hidden_size}, {spec.num_layers} layers "
+        f"({len(spec.moe_layers)} MoE), tied embeddings: {spec.tie_embeddings}"
+    )
+    console.print(
+        f"parameters {_human(counts['total'])} total, {_human(counts['active_per_token'])} active per token; "
+        f"fp32 {_human(counts['total'] * 4, 'B')}, fp16 {_human(counts['total'] * 2, 'B')}, "
+        f"on disk {_human(disk, 'B')}"
+    )
+    table = Table("layers", "attention", "ffn", "experts", "router", "expert size (fp16)")
+    groups: dict[tuple, list[int]] = {}
+    for i, ls in enumerate(spec.layers):
+        att = ls.attention
+        att_desc = f"{att.kind} {att.num_heads}/{att.num_kv_heads}×{att.head_dim}"
+        if att.sliding_window:
+            att_desc += f", window {att.sliding_window}"
+        if att.sinks:
+            att_desc += ", sinks"
+        if att.qk_norm:
+            att_desc += f", qk-norm ({att.qk_norm})"
+        if isinstance(ls.ffn, MoESpec):
+            size = _count(mlp_shapes("e", ls.ffn.expert, spec.hidden_size)) * 2
+            key = (att_desc, f"MoE I={ls.ffn.expert.intermediate}", str(ls.ffn.num_experts),
+                   describe_router(ls.ffn), _human(size, "B"))
+        else:
+            key = (att_desc, f"dense I={ls.ffn.intermediate}", "-", "-", "-")
+        groups.setdefault(key, []).append(i)
+    for key, indices in groups.items():
+        table.add_row(layer_ranges(indices), *key)
+    console.print(table)

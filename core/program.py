@@ -18,12 +18,13 @@ HOST_OPS = ("embed", "rope_tables", "attention_mask", "kv_append", "router", "di
 
 @dataclass(frozen=True)
 class ExpertGroup:
+    """Experts that run together. With a capacity they form one static graph of
+    [len(experts)·capacity, H]; with capacity 0 they are CPU-resident and run on exactly
+    their tokens."""
+
     graph: str
     experts: tuple[int, ...]
     capacity: int
-
-    def slot_base(self, g: int) -> int:
-        return g * self.capacity
 
 
 @dataclass
@@ -77,7 +78,7 @@ def build_program(spec: ModelSpec, chunk: int = 64, max_context: int = 512, plan
             groups = {s: (plan.groups(i, s) if plan is not None else unplanned_groups(spec, i, s)) for s in seqs}
             for s in seqs:
                 for grp in groups[s]:
-                    if grp.graph not in out:
+                    if grp.capacity and grp.graph not in out:
                         _add(out, graphs.experts_graph(spec, i, grp.experts, grp.capacity, grp.graph))
             shared = {s: _add(out, graphs.ffn_graph(spec, i, s, shared=True)) for s in seqs} if ls.ffn.shared else None
             overflow = plan.overflow if plan is not None else "spill"

@@ -14,12 +14,12 @@ import torch
 
 from npumoe.backends.base import Executor
 from npumoe.backends.cpu.executor import TorchGraphExecutor
-from npumoe.core.program import MoEStep, Program, build_program
+from npumoe.core.graphs import experts_graph
+from npumoe.core.program import Program, build_program
 from npumoe.core.rope import cos_sin
-from npumoe.core.runtime.dispatch import Layout, assign, combine, gather
 from npumoe.core.runtime.kvcache import KVCache, attention_mask
 from npumoe.core.runtime.metrics import Metrics
-from npumoe.core.runtime.router import route
+from npumoe.core.runtime.moe import MoELayer
 from npumoe.core.spec import MoESpec
 from npumoe.errors import InputError
 
@@ -43,14 +43,9 @@ class Engine:
             plan.check_model(model)
         self.program: Program = build_program(self.spec, chunk=chunk, max_context=max_context, plan=plan)
         self.executors: dict[str, Executor] = self._load_executors(backend, artifacts)
-        self.spill_executors = self._spill_executors()
         self.cache = KVCache(self.program)
         self.metrics_ = Metrics()
-        self._layouts = {
-            (i, s): Layout.of(step.moe.groups[s], self.spec.layers[i].ffn.num_experts)
-            for i, step in enumerate(self.program.layers) if step.moe
-            for s in self.program.seqs
-        }
+        self.moe_layers = self._moe_layers()
 
     # -- set-up ---------------------------------------------------------------------------
     def _load_executors(self, backend: str, artifacts) -> dict[str, Executor]:
@@ -68,16 +63,20 @@ class Engine:
             execs.update(load_executors(get_backend(backend), artifacts, npu, weights, self.model))
         return execs
 
-    def _spill_executors(self) -> dict[tuple[int, int], Executor]:
-        """One any-size CPU executor per routed expert: the path for tokens past capacity."""
-        from npumoe.core.graphs import experts_graph
-
+    def _moe_layers(self) -> dict[tuple[int, int], MoELayer]:
+        """Per MoE layer and sequence length, the host runtime with its any-size CPU experts
+        (the path for spilled tokens and CPU-resident experts)."""
         out = {}
-        for i, ls in enumerate(self.spec.layers):
-            if isinstance(ls.ffn, MoESpec):
-                for e in range(ls.ffn.num_experts):
-                    g = experts_graph(self.spec, i, (e,), 1, f"L{i}.spill.e{e}")
-                    out[(i, e)] = TorchGraphExecutor(g, self.model.weights)
+        for i, step in enumerate(self.program.layers):
+            if step.moe is None:
+                continue
+            moe: MoESpec = self.spec.layers[i].ffn
+            cpu_experts = {
+                e: TorchGraphExecutor(experts_graph(self.spec, i, (e,), 1, f"L{i}.cpu.e{e}"), self.model.weights)
+                for e in range(moe.num_experts)
+            }
+            for s in self.program.seqs:
+                out[(i, s)] = MoELayer(i, moe, self.model.weights, step.moe.groups[s], cpu_experts, step.moe.overflow)
         return out
 
     @property
@@ -170,7 +169,10 @@ class Engine:
             self.cache.append(i, out["k_new"], out["v_new"], valid)
             h, z = out["h"], out["z"]
             if step.moe is not None:
-                y = self._moe(i, step.moe, z, h - x, seq, valid)
+                y = self.moe_layers[(i, seq)](z, h - x, valid, self._run, m, self.on_route)
+                if step.moe.shared is not None:
+                    with m.time("shared_ffn"):
+                        y = y + self._run(step.moe.shared[seq], {"z": z})["y"]
             else:
                 with m.time("ffn"):
                     y = self._run(step.dense[seq], {"z": z})["y"]
@@ -179,50 +181,3 @@ class Engine:
         self.cache.length += valid
         with m.time("lm_head"):
             return self._run(self.program.lm_head[seq], {"x": x})["logits"]
-
-    def _moe(self, i: int, step: MoEStep, z: torch.Tensor, attn_out: torch.Tensor, seq: int, valid: int):
-        moe: MoESpec = self.spec.layers[i].ffn
-        weights, m = self.model.weights, self.metrics_
-        prefix = f"layers.{i}.moe.router"
-        with m.time("router"):
-            experts, gates, _ = route(
-                z[:valid], moe.router, weights[f"{prefix}.weight"],
-                weights[f"{prefix}.bias"] if moe.router.bias else None,
-                weights[f"{prefix}.correction_bias"] if moe.router.correction_bias else None,
-            )
-        if self.on_route is not None:
-            self.on_route(i, experts, gates, attn_out[:valid])
-        layout = self._layouts[(i, seq)]
-        with m.time("gather"):
-            d = assign(experts, gates, layout)
-            buf = gather(z, d, layout)
-        m.add("routed", d.token.numel())
-        m.add("padded", layout.rows - int(d.fits.sum()))
-        with m.time("expert_ffn"):
-            y_buf = torch.empty_like(buf)
-            for grp, offset in zip(layout.groups, layout.group_offsets):
-                rows = len(grp.experts) * grp.capacity
-                y_buf[offset:offset + rows] = self._run(grp.graph, {"x": buf[offset:offset + rows]})["y"]
-        with m.time("scatter"):
-            y = combine(y_buf, d, seq)
-        if d.overflow.any():
-            y += self._spill(i, z, d)
-        if step.shared is not None:
-            with m.time("shared_ffn"):
-                y = y + self._run(step.shared[seq], {"z": z})["y"]
-        return y
-
-    def _spill(self, i: int, z: torch.Tensor, d) -> torch.Tensor:
-        """Tokens past an expert's capacity run on the CPU with the same weights: none is lost."""
-        m = self.metrics_
-        out = torch.zeros_like(z)
-        over = d.overflow.nonzero().flatten()
-        m.add("spilled", over.numel())
-        with m.time("spill_ffn"):
-            for e in torch.unique(d.expert[over]).tolist():
-                pairs = over[d.expert[over] == e]
-                toks = d.token[pairs]
-                y = self.spill_executors[(i, e)]({"x": z[toks]})["y"]
-                m.add("cpu_launches")
-                out.index_add_(0, toks, y * d.weight[pairs, None])
-        return out

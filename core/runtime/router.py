@@ -63,3 +63,8 @@ def route(z: torch.Tensor, spec: RouterSpec, weight: torch.Tensor, bias: torch.T
     if spec.routed_scaling != 1.0:
         top_w = top_w * spec.routed_scaling
     return top_i, top_w, logits
+
+
+def all_scores(logits: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    """Every expert's score [S, E] on the scale the router's weights use (for rerouting)."""
+    return torch.sigmoid(logits) if spec.scoring == "sigmoid" else torch.softmax(logits, dim=-1)

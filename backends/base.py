@@ -66,6 +66,21 @@ BUILTIN = {
 }
 
 
+CAPS = {
+    "cpu": "npumoe.backends.cpu:CPU_CAPS",
+    "htp": "npumoe.backends.qualcomm_htp.caps:HTP_CAPS",
+    "ane": "npumoe.backends.apple_ane.caps:ANE_CAPS",
+}
+
+
+def capabilities(target: str) -> Capabilities:
+    """A target's Capabilities, without importing its toolchain."""
+    if target in CAPS:
+        module, attr = CAPS[target].split(":")
+        return getattr(importlib.import_module(module), attr)
+    return get_backend(target).caps
+
+
 def available() -> dict[str, str]:
     """Backend name → "module:Class", built-ins first, then installed plugins."""
     found = dict(BUILTIN)

@@ -1,0 +1,43 @@
+"""Writing files so that a crash never leaves half of one, and reading our own JSON artifacts."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from npumoe.errors import ArtifactError, InputError
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write to a temporary file beside ``path``, then rename over it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def read_json_artifact(path: str | Path, kind: str, made_by: str) -> dict:
+    """Read a JSON file npumoe wrote, checking its ``kind`` so a plan is never read as a profile."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path} does not exist; expected {made_by}.")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ArtifactError(f"{path} is not valid JSON ({err}); expected {made_by}.") from err
+    if not isinstance(data, dict) or data.get("kind") != kind:
+        raise ArtifactError(f"{path} is not {made_by} (its kind is {data.get('kind') if isinstance(data, dict) else None!r}).")
+    return data

@@ -1,0 +1,301 @@
+"""The planner: static capacity tiers, expert groups and residency from a RoutingProfile.
+
+Driven only by the profile (per-chunk expert loads at chunk size B) and the target's
+:class:`~npumoe.backends.base.Capabilities`.
+
+Capacities. For expert e at capacity C, over calibration chunks c with load n_ce:
+padding(C) = E[max(0, C − n_ce)] and overflow(C) = E[max(0, n_ce − C)]. Three methods:
+
+* ``uniform`` — NPUMoE's single capacity: every expert gets C = r_l·B·k/E.
+* ``paper`` — NPUMoE's tiers: C_base = B·k/E (the mean load; the paper writes B/E with B
+  counting routed slots), n_max = r_l·C_base, tiers {n_max, midpoint, C_base}, each expert
+  in the smallest tier at or above its mean load.
+* ``optimal`` (default) — choose ≤ 3 tier values and expert→tier to minimise
+  Σ_e padding + λ·overflow, with λ raised until expected overflow is within
+  ``max_overflow`` of routed slots.
+
+Groups: the experts of one tier, ordered by popularity, cut into graphs of at most G
+experts (G bounded by the target's max graph bytes), so hot and cold experts never share
+a graph. Residency: a group runs on the NPU when its expected useful tokens per launch pay
+for the dispatch cost (``auto``), always (``npu``) or never (``cpu``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from npumoe.backends.base import Capabilities, capabilities
+from npumoe.core.calibrate import RoutingProfile, imbalance
+from npumoe.core.io import atomic_write_text, read_json_artifact
+from npumoe.core.program import ExpertGroup
+from npumoe.core.spec import ModelSpec
+from npumoe.core.weights import mlp_shapes
+from npumoe.errors import ArtifactError, InputError
+
+METHODS = ("optimal", "paper", "uniform")
+OVERFLOW_POLICIES = ("spill", "drop", "reroute")
+RESIDENCY = ("auto", "npu", "cpu")
+MAX_TIERS = 3
+MAX_GROUP_EXPERTS = 16
+
+
+@dataclass
+class GroupPlan:
+    experts: list[int]
+    capacity: int  # per expert; 0 = CPU-resident, runs on exactly its tokens
+    residency: str  # "npu" | "cpu"
+    expected_tokens: float  # useful token-slots per chunk
+    weight_bytes: int
+
+
+@dataclass
+class LayerPlan:
+    tiers: list[int]
+    expert_tier: list[int]  # tier index per expert
+    groups: list[GroupPlan]
+    predicted: dict = field(default_factory=dict)
+
+
+@dataclass
+class Plan:
+    model: str  # spec fingerprint
+    model_name: str
+    target: str
+    chunk: int
+    overflow: str
+    residency: str
+    method: str
+    dense_placement: str  # attention, dense FFN, shared experts, LM head
+    layers: dict[int, LayerPlan]
+    predicted: dict = field(default_factory=dict)
+    alignment: int = 1
+
+    # -- what the program builder asks ---------------------------------------------------------
+    def groups(self, layer: int, seq: int) -> list[ExpertGroup]:
+        """Static groups for prefill chunks; the same groups at the smallest aligned capacity
+        for single-token decode (each expert sees at most one token per step)."""
+        out = []
+        for j, g in enumerate(self.layers[layer].groups):
+            cap = g.capacity if seq == self.chunk else (self.alignment if g.capacity else 0)
+            name = f"L{layer}.experts.g{j}.c{cap}" if cap else f"L{layer}.cpu.g{j}"
+            out.append(ExpertGroup(name, tuple(g.experts), cap))
+        return out
+
+    def place(self, graphs: dict) -> None:
+        npu_groups = {
+            grp.graph for i, lp in self.layers.items() for s in {self.chunk, 1}
+            for grp, g in zip(self.groups(i, s), lp.groups) if g.residency == "npu"
+        }
+        for g in graphs.values():
+            g.placement = ("npu" if g.name in npu_groups else "cpu") if g.kind == "experts" else self.dense_placement
+
+    def check_model(self, model) -> None:
+        if self.model != model.spec.fingerprint():
+            raise ArtifactError(
+                f"this plan was made for another model ({self.model_name}, fingerprint {self.model}); "
+                f"make one for {model.name} (fingerprint {model.spec.fingerprint()}) with npumoe plan."
+            )
+
+    # -- files -----------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["layers"] = {str(i): v for i, v in data["layers"].items()}
+        return {"kind": "npumoe.Plan", **data}
+
+    def save(self, path: str | Path) -> Path:
+        return atomic_write_text(path, json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        data = read_json_artifact(path, "npumoe.Plan", "a plan (npumoe plan --out)")
+        data.pop("kind")
+        layers = {
+            int(i): LayerPlan(lp["tiers"], lp["expert_tier"], [GroupPlan(**g) for g in lp["groups"]], lp["predicted"])
+            for i, lp in data.pop("layers").items()
+        }
+        return cls(layers=layers, **data)
+
+
+# -- capacities ----------------------------------------------------------------------------------
+def expected_padding(loads: np.ndarray, capacity: np.ndarray) -> np.ndarray:
+    """[E, K] mean padded slots of each expert at each candidate capacity."""
+    return np.maximum(capacity[None, :, None] - loads.T[:, None, :], 0).mean(axis=2)
+
+
+def expected_overflow(loads: np.ndarray, capacity: np.ndarray) -> np.ndarray:
+    return np.maximum(loads.T[:, None, :] - capacity[None, :, None], 0).mean(axis=2)
+
+
+def _aligned(x: float, align: int, chunk_slots: int) -> int:
+    return int(min(max(align, math.ceil(x / align) * align), math.ceil(chunk_slots / align) * align))
+
+
+def paper_tiers(loads: np.ndarray, align: int, uniform: bool) -> tuple[list[int], list[int]]:
+    chunk_slots = int(loads.sum(axis=1).max())
+    experts = loads.shape[1]
+    base = chunk_slots / experts
+    n_max = _aligned(base * imbalance(loads), align, chunk_slots)
+    if uniform:
+        return [n_max], [0] * experts
+    tiers = sorted({n_max, _aligned((n_max + base) / 2, align, chunk_slots), _aligned(base, align, chunk_slots)},
+                   reverse=True)
+    mean_load = loads.mean(axis=0)
+    assignment = []
+    for m in mean_load:
+        fitting = [j for j, c in enumerate(tiers) if c >= m]
+        assignment.append(fitting[-1] if fitting else 0)
+    return tiers, assignment
+
+
+def optimal_tiers(loads: np.ndarray, align: int, max_overflow: float, max_tiers: int = MAX_TIERS,
+                  overflow_cost: float = 1.0) -> tuple[list[int], list[int]]:
+    """Tier values and expert→tier minimising padding + λ·overflow within an overflow budget."""
+    chunk_slots = int(loads.sum(axis=1).max())
+    top = _aligned(loads.max(), align, chunk_slots)
+    candidates = np.arange(align, top + 1, align)
+    pad, over = expected_padding(loads, candidates), expected_overflow(loads, candidates)
+    routed = loads.sum(axis=1).mean()
+    lam = overflow_cost
+    for _ in range(40):
+        cost = pad + lam * over  # [E, K]
+        tiers_idx = _best_tier_set(cost, max_tiers)
+        choice = np.asarray(tiers_idx)[np.argmin(cost[:, tiers_idx], axis=1)]
+        if over[np.arange(len(choice)), choice].sum() <= max_overflow * routed:
+            break
+        lam *= 1.5
+    tiers = sorted({int(candidates[i]) for i in choice}, reverse=True)
+    return tiers, [tiers.index(int(candidates[i])) for i in choice]
+
+
+def _best_tier_set(cost: np.ndarray, max_tiers: int) -> list[int]:
+    """Indices of ≤ max_tiers candidate capacities minimising Σ_e min over the set.
+
+    Exhaustive over a shortlist (each expert's own best capacity and its neighbours), then
+    coordinate descent over all candidates: exact for small E, near-exact beyond."""
+    best_each = np.unique(np.argmin(cost, axis=1))
+    shortlist = np.unique(np.clip(np.concatenate([best_each - 1, best_each, best_each + 1]), 0, cost.shape[1] - 1))
+    if len(shortlist) > 24:
+        shortlist = shortlist[np.linspace(0, len(shortlist) - 1, 24).round().astype(int)]
+    best, best_total = None, np.inf
+    for n in range(1, max_tiers + 1):
+        for combo in itertools.combinations(shortlist, n):
+            total = cost[:, combo].min(axis=1).sum()
+            if total < best_total:
+                best, best_total = list(combo), total
+    improved = True
+    while improved:
+        improved = False
+        for t in range(len(best)):
+            others = best[:t] + best[t + 1:]
+            rest = cost[:, others].min(axis=1) if others else np.full(cost.shape[0], np.inf)
+            totals = np.minimum(rest[:, None], cost).sum(axis=0)
+            k = int(np.argmin(totals))
+            if totals[k] < best_total - 1e-9:
+                best[t], best_total, improved = k, totals[k], True
+    return sorted(set(best))
+
+
+# -- groups and residency --------------------------------------------------------------------------
+def expert_bytes(spec: ModelSpec, layer: int, bytes_per_weight: float = 2.0) -> int:
+    shapes = mlp_shapes("e", spec.layers[layer].ffn.expert, spec.hidden_size)
+    return int(sum(math.prod(s) for s in shapes.values()) * bytes_per_weight)
+
+
+def make_groups(order: list[int], per_expert_bytes: int, caps: Capabilities) -> list[list[int]]:
+    """Cut a popularity-ordered tier into graphs under the target's max graph bytes."""
+    if per_expert_bytes > caps.max_graph_bytes:
+        raise InputError(
+            f"one expert needs {per_expert_bytes / 1e9:.2f} GB but a {caps.name} graph may hold "
+            f"{caps.max_graph_bytes / 1e9:.2f} GB; this model cannot be planned for {caps.name} without "
+            "lower-bit weights."
+        )
+    size = max(1, min(MAX_GROUP_EXPERTS, caps.max_graph_bytes // per_expert_bytes))
+    n_groups = math.ceil(len(order) / size)
+    bounds = np.linspace(0, len(order), n_groups + 1).round().astype(int)
+    return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def pays_for_npu(useful_tokens: float, slots: int, flops_per_token: float, caps: Capabilities,
+                 cpu: Capabilities, experts: int) -> bool:
+    """Is one NPU launch of the group faster than running its useful tokens on the CPU?"""
+    npu = caps.dispatch_seconds + slots * flops_per_token / caps.flops_per_second
+    host = experts * cpu.dispatch_seconds + useful_tokens * flops_per_token / cpu.flops_per_second
+    return npu < host
+
+
+def predict(loads: np.ndarray, groups: list[GroupPlan]) -> dict:
+    """Expected per-chunk figures for one layer under spill: padding, overflow, launches, NPU share."""
+    routed = loads.sum(axis=1)
+    padded = overflow = npu_tokens = launches = npu_slots = 0.0
+    for g in groups:
+        sub = loads[:, g.experts]
+        if g.residency != "npu":
+            continue
+        fill = np.minimum(sub, g.capacity).sum(axis=1)
+        launched = fill > 0
+        launches += launched.mean()
+        npu_slots += (launched * len(g.experts) * g.capacity).mean()
+        padded += ((len(g.experts) * g.capacity - fill) * launched).mean()
+        overflow += np.maximum(sub - g.capacity, 0).sum(axis=1).mean()
+        npu_tokens += fill.mean()
+    mean_routed = float(routed.mean())
+    return {
+        "padded_pct": 100 * padded / npu_slots if npu_slots else 0.0,
+        "overflow_pct": 100 * overflow / mean_routed,
+        "npu_share_pct": 100 * npu_tokens / mean_routed,
+        "npu_launches": float(launches),
+    }
+
+
+def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "spill", residency: str = "auto",
+         method: str = "optimal", max_overflow: float = 0.10) -> Plan:
+    """Make a Plan for ``model`` on ``target`` from a calibration ``profile``."""
+    spec: ModelSpec = model.spec
+    for name, value, allowed in (("overflow", overflow, OVERFLOW_POLICIES), ("residency", residency, RESIDENCY),
+                                 ("method", method, METHODS)):
+        if value not in allowed:
+            raise InputError(f"{name} {value!r} is not one of {', '.join(allowed)}.")
+    profile.check_model(spec)
+    caps, cpu = capabilities(target), capabilities("cpu")
+    layers: dict[int, LayerPlan] = {}
+    for i in spec.moe_layers:
+        loads = profile.loads[i]
+        if method == "optimal":
+            tiers, tier_of = optimal_tiers(loads, caps.alignment, max_overflow)
+        else:
+            tiers, tier_of = paper_tiers(loads, caps.alignment, uniform=method == "uniform")
+        popularity = [int(e) for e in profile.popularity(i)]
+        per_expert = expert_bytes(spec, i)
+        flops_per_token = 2 * per_expert / 2  # a multiply-add per weight; per_expert counts 2-byte weights
+        groups = []
+        for t, cap in enumerate(tiers):
+            members = [e for e in popularity if tier_of[e] == t]
+            for experts in make_groups(members, per_expert, caps) if members else []:
+                useful = float(np.minimum(loads[:, experts], cap).sum(axis=1).mean())
+                on_npu = residency == "npu" or (
+                    residency == "auto" and pays_for_npu(useful, len(experts) * cap, flops_per_token, caps, cpu,
+                                                         len(experts))
+                )
+                groups.append(GroupPlan(experts, cap if on_npu else 0, "npu" if on_npu else "cpu", useful,
+                                        per_expert * len(experts)))
+        layers[i] = LayerPlan(tiers, tier_of, groups, predict(loads, groups))
+    totals = {k: float(np.mean([lp.predicted[k] for lp in layers.values()])) for k in next(iter(layers.values())).predicted}
+    return Plan(
+        model=spec.fingerprint(),
+        model_name=model.name,
+        target=target,
+        chunk=profile.chunk,
+        overflow=overflow,
+        residency=residency,
+        method=method,
+        dense_placement="cpu" if target == "cpu" else "npu",
+        layers=layers,
+        predicted=totals,
+        alignment=caps.alignment,
+    )

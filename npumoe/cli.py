@@ -36,10 +36,13 @@ COMMANDS = {
     "inspect": "npumoe.models.cli:inspect_command",
     "generate": "npumoe.core.cli:generate_command",
     "demo": "npumoe.core.cli:demo_command",
+    "calibrate": "npumoe.core.plan_cli:calibrate_command",
+    "plan": "npumoe.core.plan_cli:plan_command",
     "bench": "npumoe.cli:bench",
 }
 
 BENCHMARKS = {
+    "runtime": "npumoe.core.bench:bench_runtime_command",
     "lut": "npumoe.luts.bench:bench_lut_command",
 }
 

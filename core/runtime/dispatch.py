@@ -86,13 +86,10 @@ def assign(experts: torch.Tensor, weights: torch.Tensor, layout: Layout,
     return Dispatch(token, expert, weight, row, fits, compact)
 
 
-def gather(z: torch.Tensor, d: Dispatch, layout: Layout, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Copy routed tokens into the zero-padded buffer [rows, H] (reusing ``out`` when given)."""
-    buf = out if out is not None else z.new_zeros(layout.rows, z.shape[1])
-    if out is not None:
-        buf.zero_()
-    buf[d.row[d.fits]] = z[d.token[d.fits]]
-    return buf
+def gather(z: torch.Tensor, d: Dispatch, buffer: torch.Tensor) -> torch.Tensor:
+    """Copy routed tokens into their rows of the (already zeroed) static buffer [rows, H]."""
+    buffer[d.row[d.fits]] = z[d.token[d.fits]]
+    return buffer
 
 
 def combine(y: torch.Tensor, d: Dispatch, tokens: int) -> torch.Tensor:

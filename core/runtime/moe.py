@@ -60,9 +60,13 @@ class MoELayer:
             d = assign(experts, gates, self.layout, order_key=saliency, skip=self.compact)
             if self.overflow == "reroute" and d.overflow_static.any():
                 d = self._reroute(d, experts, logits, m)
-            if self._buffer is None or self._buffer.shape[0] != self.layout.rows:
+        with m.time("pad"):
+            if self._buffer is None:
                 self._buffer = z.new_zeros(self.layout.rows, z.shape[1])
-            buf = gather(z, d, self.layout, out=self._buffer)
+            else:
+                self._buffer.zero_()
+        with m.time("gather"):
+            buf = gather(z, d, self._buffer)
         y_buf = self._run_groups(buf, d, run, m)
         with m.time("scatter"):
             y = combine(y_buf, d, seq)
@@ -80,7 +84,7 @@ class MoELayer:
     def _run_groups(self, buf: torch.Tensor, d: Dispatch, run: Run, m: Metrics) -> torch.Tensor:
         """Launch each static group that received at least one token; empty ones are skipped."""
         used = torch.bincount(d.row[d.fits], minlength=max(self.layout.rows, 1))
-        y_buf = torch.zeros_like(buf)
+        y_buf = torch.empty_like(buf)  # rows of skipped groups are never read
         with m.time("expert_ffn"):
             for grp, offset in zip(self.layout.groups, self.layout.group_offsets):
                 rows = len(grp.experts) * grp.capacity

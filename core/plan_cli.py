@@ -1,0 +1,125 @@
+"""`npumoe calibrate` and `npumoe plan`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from npumoe.core.calibrate import RoutingProfile, calibrate, overlap_at_k
+from npumoe.core.cli import model_option
+from npumoe.core.plan import METHODS, OVERFLOW_POLICIES, RESIDENCY, plan
+from npumoe.errors import InputError
+from npumoe.models.loader import load
+
+
+def default_calibration_texts() -> dict[str, str]:
+    """Python's own documentation topics: always on disk, so calibration needs no download."""
+    import pydoc_data.topics
+
+    return {f"pydoc_data.topics:{k}": v for k, v in sorted(pydoc_data.topics.topics.items())}
+
+
+def read_texts(paths: tuple[str, ...]) -> dict[str, str]:
+    texts = {}
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise InputError(f"calibration text {p!r} does not exist.")
+        texts[str(path)] = path.read_text(encoding="utf-8", errors="replace")
+    if not any(t.strip() for t in texts.values()):
+        raise InputError("the calibration text is empty; give files with text in them.")
+    return texts
+
+
+@click.command("calibrate")
+@model_option
+@click.option("--text", "text_files", multiple=True, type=click.Path(),
+              help="Calibration text file (repeatable) [default: Python's pydoc topics, always on disk].")
+@click.option("--chunk", default=256, show_default=True, type=click.IntRange(1), help="Prefill chunk size B.")
+@click.option("--out", default="profile.json", show_default=True, type=click.Path(), help="Profile JSON to write.")
+@click.option("--plot", type=click.Path(), default=None, help="Also write a heatmap PNG of expert load per layer.")
+@click.option("--compare", nargs=2, type=click.Path(), default=None,
+              help="Instead of calibrating: print per-layer Overlap@K of two saved profiles.")
+def calibrate_command(model_dir, text_files, chunk, out, plot, compare):
+    """Measure how the experts are really used: per-chunk loads, imbalance r_l, popularity.
+
+    \b
+    Examples:
+      npumoe calibrate --text my_prompts.txt --chunk 256 --out profile.json --plot load.png
+      npumoe calibrate --compare code.json prose.json
+    """
+    console = Console()
+    if compare:
+        return print_overlap(console, RoutingProfile.load(compare[0]), RoutingProfile.load(compare[1]))
+    model = load(model_dir)
+    texts = read_texts(text_files) if text_files else default_calibration_texts()
+    profile = calibrate(model, list(texts.values()), chunk=chunk, progress=True, sources=list(texts)[:50])
+    profile.save(out)
+    table = Table("layer", "chunks", "r = max/mean", "hottest experts", "p50 / p99 / max load")
+    for i in profile.layers:
+        q = profile.quantiles(i)
+        table.add_row(str(i), str(profile.loads[i].shape[0]), f"{profile.imbalance(i):.2f}",
+                      " ".join(map(str, profile.popularity(i)[:4])),
+                      f"{q[0.5].mean():.0f} / {q[0.99].mean():.0f} / {q[1.0].max():.0f}")
+    console.print(table)
+    console.print(f"wrote {out}")
+    if plot:
+        from npumoe.core.plots import profile_heatmap
+
+        console.print(f"wrote {profile_heatmap(profile, plot)}")
+
+
+def print_overlap(console: Console, a: RoutingProfile, b: RoutingProfile) -> None:
+    if a.model != b.model:
+        raise InputError(f"the two profiles come from different models ({a.model_name} and {b.model_name}).")
+    experts = a.num_experts(a.layers[0])
+    ks = sorted({1, a.top_k[a.layers[0]], experts // 2})
+    overlaps = {k: overlap_at_k(a, b, k) for k in ks}
+    table = Table("layer", *[f"Overlap@{k}" for k in ks])
+    for i in a.layers:
+        table.add_row(str(i), *[f"{overlaps[k][i]:.2f}" for k in ks])
+    table.add_row("mean", *[f"{sum(overlaps[k].values()) / len(overlaps[k]):.2f}" for k in ks])
+    console.print(table)
+
+
+@click.command("plan")
+@model_option
+@click.option("--profile", "profile_path", required=True, type=click.Path(), help="Profile from npumoe calibrate.")
+@click.option("--target", type=click.Choice(["cpu", "htp", "ane"]), default="htp", show_default=True)
+@click.option("--overflow", type=click.Choice(OVERFLOW_POLICIES), default="spill", show_default=True,
+              help="Tokens past capacity: spill to CPU (lossless), drop (lowest saliency), reroute.")
+@click.option("--residency", type=click.Choice(RESIDENCY), default="auto", show_default=True,
+              help="auto: NPU only where a launch pays for itself; npu/cpu: force every group.")
+@click.option("--method", type=click.Choice(METHODS), default="optimal", show_default=True,
+              help="Capacity tiers: optimal (ours), paper (NPUMoE tiers), uniform (one capacity).")
+@click.option("--max-overflow", default=0.10, show_default=True, type=click.FloatRange(0, 1),
+              help="Budget of routed slots allowed past capacity (optimal method).")
+@click.option("--out", default="plan.json", show_default=True, type=click.Path())
+@click.option("--plot", type=click.Path(), default=None, help="Also draw tiers, groups and residency to a PNG.")
+def plan_command(model_dir, profile_path, target, overflow, residency, method, max_overflow, out, plot):
+    """Plan static shapes for a target: capacity tiers, expert groups, residency, overflow.
+
+    Example: npumoe plan --profile profile.json --target ane --residency npu --out plan.json
+    """
+    console = Console()
+    model = load(model_dir)
+    p = plan(model, RoutingProfile.load(profile_path), target=target, overflow=overflow, residency=residency,
+             method=method, max_overflow=max_overflow)
+    p.save(out)
+    table = Table("layer", "tiers", "groups (experts × capacity, residency)", "padded %", "overflow %", "NPU launches")
+    for i, lp in p.layers.items():
+        groups = ", ".join(f"{len(g.experts)}×{g.capacity or '-'} {g.residency}" for g in lp.groups)
+        pr = lp.predicted
+        table.add_row(str(i), "/".join(map(str, lp.tiers)), groups, f"{pr['padded_pct']:.1f}",
+                      f"{pr['overflow_pct']:.1f}", f"{pr['npu_launches']:.1f}")
+    console.print(table)
+    t = p.predicted
+    console.print(f"predicted: padded {t['padded_pct']:.1f}% of NPU slots, overflow {t['overflow_pct']:.1f}% "
+                  f"of routed ({overflow}), NPU share {t['npu_share_pct']:.1f}%; wrote {out}")
+    if plot:
+        from npumoe.core.plots import plan_figure
+
+        console.print(f"wrote {plan_figure(p, plot)}")

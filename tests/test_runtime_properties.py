@@ -1,0 +1,173 @@
+"""Property tests of the host runtime: dispatch into static groups, overflow policies, combine.
+
+The independent truth is a per-token numpy loop: y_t = Σ_j w_tj · FFN_{e_tj}(z_t).
+"""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from npumoe.backends.cpu.executor import TorchGraphExecutor
+from npumoe.core.graphs import experts_graph
+from npumoe.core.program import ExpertGroup
+from npumoe.core.runtime.metrics import Metrics
+from npumoe.core.runtime.moe import MoELayer
+from npumoe.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RopeSpec, RouterSpec
+
+H, I = 8, 6
+
+
+def make_layer(experts: int, top_k: int, seed: int):
+    att = AttentionSpec("gqa", 1, 1, H, H, 1.0, RopeSpec())
+    moe = MoESpec(experts, RouterSpec(top_k=top_k, normalize=True), MLPSpec(I))
+    spec = ModelSpec("t", 16, H, (LayerSpec(att, moe),), LayerSpec(att, moe).norm)
+    g = torch.Generator().manual_seed(seed)
+    w = {"layers.0.moe.router.weight": torch.randn(experts, H, generator=g)}
+    for e in range(experts):
+        for name, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            w[f"layers.0.moe.experts.{e}.{name}.weight"] = torch.randn(shape, generator=g) * 0.5
+    return spec, moe, w
+
+
+def numpy_ffn(w, e, z):
+    g = z @ w[f"layers.0.moe.experts.{e}.gate.weight"].numpy().T
+    u = z @ w[f"layers.0.moe.experts.{e}.up.weight"].numpy().T
+    return (g / (1 + np.exp(-g)) * u) @ w[f"layers.0.moe.experts.{e}.down.weight"].numpy().T
+
+
+def reference(w, z, experts, weights, keep=None):
+    """Per-token loop; ``keep[t, j]`` False leaves pair (t, j) out (a dropped token-slot)."""
+    z = z.numpy().astype(np.float64)
+    out = np.zeros_like(z)
+    for t in range(z.shape[0]):
+        for j in range(experts.shape[1]):
+            if keep is None or keep[t, j]:
+                out[t] += weights[t, j] * numpy_ffn(w, int(experts[t, j]), z[t:t + 1])[0]
+    return out
+
+
+@st.composite
+def scenarios(draw):
+    experts = draw(st.integers(2, 8))
+    top_k = draw(st.integers(1, min(3, experts)))
+    seq = draw(st.integers(1, 24))
+    order = draw(st.permutations(range(experts)))
+    cuts = sorted(draw(st.sets(st.integers(1, experts - 1), max_size=experts - 1)))
+    bounds = [0, *cuts, experts]
+    groups = []
+    for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        cap = draw(st.sampled_from([0, 1, 2, 3, 5, 8, 16]))  # 0: CPU-resident, compact
+        groups.append(ExpertGroup(f"g{j}", tuple(order[a:b]), cap))
+    return experts, top_k, seq, groups, draw(st.integers(0, 2**16))
+
+
+def run(scenario, overflow):
+    experts, top_k, seq, groups, seed = scenario
+    spec, moe, w = make_layer(experts, top_k, seed)
+    graphs = {g.graph: TorchGraphExecutor(experts_graph(spec, 0, g.experts, g.capacity, g.graph), w)
+              for g in groups if g.capacity}
+    cpu = {e: TorchGraphExecutor(experts_graph(spec, 0, (e,), 1, f"e{e}"), w) for e in range(experts)}
+    layer = MoELayer(0, moe, w, groups, cpu, overflow)
+    z = torch.randn(seq, H, generator=torch.Generator().manual_seed(seed + 1))
+    attn_out = torch.randn(seq, H, generator=torch.Generator().manual_seed(seed + 2))
+    seen = {}
+    m = Metrics()
+    y = layer(z, attn_out, seq, lambda name, x: graphs[name](x), m,
+              on_route=lambda i, e, wt, a: seen.update(experts=e.clone(), weights=wt.clone()))
+    return w, z, attn_out, y.numpy(), seen, m.counts, groups
+
+
+PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(scenarios())
+def test_spill_computes_every_pair_exactly_once(scenario):
+    w, z, _, y, seen, counts, groups = run(scenario, "spill")
+    expected = reference(w, z, seen["experts"].numpy(), seen["weights"].numpy())
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    assert counts["dropped"] == counts["rerouted"] == 0
+    assert counts["routed"] == seen["experts"].numel()
+
+
+@PROPERTY
+@given(scenarios())
+def test_drop_accounts_for_every_slot_and_drops_lowest_saliency(scenario):
+    w, z, attn_out, y, seen, counts, groups = run(scenario, "drop")
+    experts, weights = seen["experts"].numpy(), seen["weights"].numpy()
+    capacity = {e: g.capacity for g in groups for e in g.experts}
+    saliency = attn_out.norm(dim=-1).numpy()
+    keep = np.ones_like(experts, dtype=bool)
+    for e, cap in capacity.items():
+        if cap == 0:
+            continue  # CPU-resident: every token runs
+        pairs = np.argwhere(experts == e)
+        if len(pairs) > cap:
+            ranked = pairs[np.argsort(-saliency[pairs[:, 0]], kind="stable")]
+            for t, j in ranked[cap:]:
+                keep[t, j] = False
+            kept_min = saliency[ranked[:cap, 0]].min()
+            assert saliency[ranked[cap:, 0]].max() <= kept_min  # the lowest-saliency ones went
+    assert counts["dropped"] == int((~keep).sum())
+    assert counts["spilled"] == counts["rerouted"] == 0
+    expected = reference(w, z, experts, weights, keep)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * max(np.abs(expected).max(), 1e-6))
+
+
+@PROPERTY
+@given(scenarios())
+def test_reroute_moves_overflow_to_experts_with_room(scenario):
+    w, z, _, y, seen, counts, groups = run(scenario, "reroute")
+    experts = seen["experts"].numpy()
+    capacity = {e: g.capacity for g in groups for e in g.experts}
+    demand = {e: int((experts == e).sum()) for e in capacity}
+    overflow = sum(max(0, demand[e] - c) for e, c in capacity.items() if c)
+    # every overflowing slot was either moved or, with nowhere to go, dropped
+    assert counts["rerouted"] + counts["dropped"] == overflow
+    assert counts["spilled"] == 0
+    static_room = sum(max(0, c - demand[e]) for e, c in capacity.items() if c)
+    assert counts["rerouted"] <= static_room
+    assert np.isfinite(y).all()
+
+
+def test_reroute_preserves_each_tokens_weight_sum():
+    """Two experts, capacity 1 each, top-1: the second token must move to the other expert."""
+    spec, moe, w = make_layer(2, 1, 0)
+    w["layers.0.moe.router.weight"] = torch.tensor([[1.0] * H, [-1.0] * H])
+    groups = [ExpertGroup("g0", (0, 1), 1)]
+    graphs = {"g0": TorchGraphExecutor(experts_graph(spec, 0, (0, 1), 1, "g0"), w)}
+    cpu = {e: TorchGraphExecutor(experts_graph(spec, 0, (e,), 1, f"e{e}"), w) for e in range(2)}
+    layer = MoELayer(0, moe, w, groups, cpu, "reroute")
+    z = torch.ones(2, H)  # both prefer expert 0
+    m = Metrics()
+    y = layer(z, z, 2, lambda name, x: graphs[name](x), m)
+    assert m.counts["rerouted"] == 1 and m.counts["dropped"] == 0
+    expected = numpy_ffn(w, 0, z[:1].numpy())[0], numpy_ffn(w, 1, z[1:].numpy())[0]
+    np.testing.assert_allclose(y.numpy(), np.stack(expected), rtol=1e-5)  # weight renormalised to 1
+
+
+@pytest.mark.parametrize("chunk", [3, 8])
+def test_planned_engine_matches_reference_with_spill(tmp_path, chunk):
+    """A whole model under a deliberately tight plan: logits equal the unplanned program."""
+    import npumoe
+    from hf_compare import build_checkpoint, transformers
+    from npumoe.core.calibrate import calibrate
+    from npumoe.core.plan import plan
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=6, num_experts_per_tok=2,
+    )
+    build_checkpoint(cfg, tmp_path)
+    model = npumoe.load(tmp_path)
+    ids = np.random.default_rng(0).integers(0, 64, 40)
+    profile = calibrate(model, [ids], chunk=chunk)
+    tight = plan(model, profile, target="ane", residency="npu", max_overflow=0.3)
+    ref = npumoe.Engine(model, chunk=chunk).forward(ids)
+    eng = npumoe.Engine(model, plan=tight)
+    ours = eng.forward(ids)
+    np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    m = eng.metrics
+    assert m["routed"] == 40 * 2 * 2 and m["dropped"] == 0 and m["npu_launches"] > 0

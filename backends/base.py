@@ -58,6 +58,32 @@ class Backend(Protocol):
 
     def load(self, artifact: dict[str, Any], out_dir: Path, graph: Graph, weights: Mapping[str, torch.Tensor]) -> Executor: ...
 
+    def build(self, graphs: list[Graph], weights, out_dir: Path, progress: bool = True) -> dict[str, dict]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+class BackendBase:
+    """Defaults a backend may keep: build = lower each graph in turn, with a progress bar.
+    Backends that package several graphs together (Core ML multifunction) override build."""
+
+    name = "base"
+
+    def build(self, graphs: list[Graph], weights, out_dir: Path, progress: bool = True) -> dict[str, dict]:
+        from rich.progress import Progress
+
+        entries = {}
+        with Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task(f"compiling for {self.name}", total=len(graphs))
+            for g in graphs:
+                bar.update(task, description=f"{self.name}: {g.name}")
+                entries[g.name] = self.lower(g, weights, out_dir)
+                bar.advance(task)
+        return entries
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name}
+
 
 BUILTIN = {
     "cpu": "npumoe.backends.cpu:CpuBackend",

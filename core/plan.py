@@ -113,8 +113,11 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        data = read_json_artifact(path, "npumoe.Plan", "a plan (npumoe plan --out)")
-        data.pop("kind")
+        return cls.from_json(read_json_artifact(path, "npumoe.Plan", "a plan (npumoe plan --out)"))
+
+    @classmethod
+    def from_json(cls, data: dict) -> Plan:
+        data = {k: v for k, v in data.items() if k != "kind"}
         layers = {
             int(i): LayerPlan(lp["tiers"], lp["expert_tier"], [GroupPlan(**g) for g in lp["groups"]], lp["predicted"])
             for i, lp in data.pop("layers").items()

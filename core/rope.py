@@ -14,7 +14,7 @@ from npumoe.core.spec import RopeSpec
 from npumoe.errors import UnsupportedModelError
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -25,9 +25,9 @@ def _yarn(rope: RopeSpec, dim: int, base_inv: np.ndarray) -> tuple[np.ndarray, f
     attention_factor = p.get("attention_factor")
     if attention_factor is None:
         if p.get("mscale") and p.get("mscale_all_dim"):
-            attention_factor = _yarn_mscale(factor, p["mscale"]) / _yarn_mscale(factor, p["mscale_all_dim"])
+            attention_factor = yarn_mscale(factor, p["mscale"]) / yarn_mscale(factor, p["mscale_all_dim"])
         else:
-            attention_factor = _yarn_mscale(factor)
+            attention_factor = yarn_mscale(factor)
     beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:

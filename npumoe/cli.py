@@ -38,6 +38,7 @@ COMMANDS = {
     "demo": "npumoe.core.cli:demo_command",
     "calibrate": "npumoe.core.plan_cli:calibrate_command",
     "plan": "npumoe.core.plan_cli:plan_command",
+    "build": "npumoe.core.build_cli:build_command",
     "bench": "npumoe.cli:bench",
 }
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from npumoe.backends.base import Capabilities
+from npumoe.backends.base import BackendBase, Capabilities
 from npumoe.backends.cpu.executor import OP_IMPLS, TorchGraphExecutor
 from npumoe.core.ir import OPS
 
@@ -18,7 +18,7 @@ CPU_CAPS = Capabilities(
 )
 
 
-class CpuBackend:
+class CpuBackend(BackendBase):
     """Lowering is the identity: the CPU executor runs IR graphs directly."""
 
     name = "cpu"

@@ -37,7 +37,17 @@ class Engine:
         self.model = model
         self.on_route = on_route
         self.spec = model.spec
-        chunk = chunk or (plan.chunk if plan is not None else DEFAULT_CHUNK)
+        if artifacts is not None:
+            from npumoe.core.artifacts import read_manifest
+            from npumoe.core.plan import Plan
+
+            manifest = read_manifest(artifacts, verify=False)  # files are verified when loaded
+            chunk, max_context = manifest["chunk"], manifest["max_context"]
+            plan = plan if plan is not None else Plan.from_json(manifest["plan"])
+        elif backend != "cpu":
+            raise InputError(f"backend {backend!r} runs built artifacts: run npumoe build --target {backend} "
+                             "first and pass artifacts=OUT.")
+        chunk = plan.chunk if plan is not None else (chunk or DEFAULT_CHUNK)
         max_context = max_context or min(self.spec.max_position, DEFAULT_MAX_CONTEXT)
         if plan is not None:
             plan.check_model(model)
@@ -59,6 +69,7 @@ class Engine:
         elif npu:
             from npumoe.backends.base import get_backend
             from npumoe.core.artifacts import load_executors
+
 
             execs.update(load_executors(get_backend(backend), artifacts, npu, weights, self.model))
         return execs

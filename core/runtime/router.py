@@ -12,12 +12,13 @@ from npumoe.core.spec import RouterSpec
 
 
 def _group_limited(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
-    """Zero every expert outside the ``topk_group`` best groups (DeepSeek-V3)."""
+    """Rule out (-inf) every expert outside the ``topk_group`` best groups (DeepSeek-V3).
+    Not zero: with a correction bias, in-group choices can be negative."""
     tokens, experts = choice.shape
     grouped = choice.view(tokens, spec.n_group, experts // spec.n_group)
     group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
     keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(spec.topk_group, dim=-1).indices, 1.0)
-    return choice.masked_fill(~keep.bool().repeat_interleave(experts // spec.n_group, dim=1), 0.0)
+    return choice.masked_fill(~keep.bool().repeat_interleave(experts // spec.n_group, dim=1), float("-inf"))
 
 
 def _sparsemixer(logits: torch.Tensor, top_k: int, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:

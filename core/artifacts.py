@@ -1,0 +1,123 @@
+"""Built artifacts on disk: ``npumoe build`` writes them, ``Engine(backend=..., artifacts=...)`` runs them.
+
+An artifact directory holds whatever the backend wrote for each NPU-placed graph plus
+``manifest.json``: target, backend details, the model fingerprint, the plan, every graph's
+inputs and outputs, and the sha256 of every file. Building happens in a temporary
+sibling directory that replaces the destination only when complete, so a failed or
+interrupted build never leaves a half-written artifact behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from npumoe.core.io import atomic_write_text, read_json_artifact
+from npumoe.core.ir import Graph
+from npumoe.core.program import build_program
+from npumoe.errors import ArtifactError, InputError
+
+MANIFEST = "manifest.json"
+KIND = "npumoe.Artifacts"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def io_description(graph: Graph) -> dict:
+    return {
+        "kind": graph.kind,
+        "layer": graph.layer,
+        "inputs": {n: list(t.shape) for n, t in graph.inputs.items()},
+        "outputs": {n: list(t.shape) for n, t in graph.outputs.items()},
+    }
+
+
+def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512, progress: bool = True,
+          **backend_options) -> dict:
+    """Lower every NPU-placed graph of the planned program for ``target``; return the manifest."""
+    from npumoe.backends.base import get_backend
+
+    if plan.target != target:
+        raise InputError(f"the plan was made for target {plan.target!r}, not {target!r}; re-plan with --target {target}.")
+    plan.check_model(model)
+    program = build_program(model.spec, chunk=plan.chunk, max_context=max_context, plan=plan)
+    npu_graphs = [g for g in program.graphs.values() if g.placement == "npu"]
+    if not npu_graphs:
+        raise InputError("the plan places no graph on the NPU (residency cpu?); there is nothing to build.")
+    backend = get_backend(target, **backend_options)
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.building-"))
+    try:
+        entries = backend.build(npu_graphs, model.weights, staging, progress=progress)
+        manifest = {
+            "kind": KIND,
+            "target": target,
+            "backend": backend.describe(),
+            "model": model.spec.fingerprint(),
+            "model_name": model.name,
+            "chunk": plan.chunk,
+            "max_context": max_context,
+            "plan": plan.to_json(),
+            "graphs": {g.name: {**io_description(g), **entries[g.name]} for g in npu_graphs},
+            "files": {
+                str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()
+            },
+        }
+        atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        _replace_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _replace_dir(new: Path, dest: Path) -> None:
+    if dest.exists():
+        old = dest.with_name(f".{dest.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        dest.rename(old)
+        new.rename(dest)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        new.rename(dest)
+
+
+def read_manifest(out_dir: str | Path, verify: bool = True) -> dict:
+    """The manifest, after checking every file against its recorded sha256."""
+    out_dir = Path(out_dir)
+    manifest = read_json_artifact(out_dir / MANIFEST, KIND, "an artifact directory (npumoe build --out)")
+    if verify:
+        for rel, digest in manifest["files"].items():
+            path = out_dir / rel
+            if not path.is_file():
+                raise ArtifactError(f"{path} is listed in the manifest but missing; rebuild with npumoe build.")
+            if sha256_file(path) != digest:
+                raise ArtifactError(
+                    f"{path} no longer matches the sha256 in its manifest; it was altered after the build. "
+                    "Rebuild with npumoe build (or restore the file)."
+                )
+    return manifest
+
+
+def load_executors(backend, out_dir: str | Path, graphs: list[Graph], weights, model) -> dict:
+    """Executors for the given NPU graphs from a verified artifact directory."""
+    manifest = read_manifest(out_dir)
+    if manifest["model"] != model.spec.fingerprint():
+        raise ArtifactError(
+            f"{out_dir} was built for {manifest.get('model_name')} (fingerprint {manifest['model']}), "
+            f"not {model.name}; rebuild for this model."
+        )
+    missing = [g.name for g in graphs if g.name not in manifest["graphs"]]
+    if missing:
+        raise ArtifactError(f"{out_dir} has no compiled graph {missing[0]!r}; it was built from another plan.")
+    return {g.name: backend.load(manifest["graphs"][g.name], Path(out_dir), g, weights) for g in graphs}

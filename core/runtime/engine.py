@@ -176,6 +176,7 @@ class Engine:
                 out = self._run(step.attention[seq], {
                     "x": x, "cos": torch.from_numpy(cos), "sin": torch.from_numpy(sin), "mask": mask,
                     "k_cache": self.cache.k[i], "v_cache": self.cache.v[i],
+                    "position": torch.tensor([start]),  # not a graph input: for stateful backends
                 })
             self.cache.append(i, out["k_new"], out["v_new"], valid)
             h, z = out["h"], out["z"]

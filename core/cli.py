@@ -46,14 +46,24 @@ def model_option(f):
 @click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(1), help="Tokens to generate.")
 @click.option("--chunk", default=DEFAULT_CHUNK, show_default=True, type=click.IntRange(1), help="Prefill chunk size (static graph length).")
 @click.option("--max-context", default=None, type=click.IntRange(1), help="KV cache length [default: min(model max, 512)].")
-def generate_command(model_dir, prompt, ids, max_new_tokens, chunk, max_context):
+@click.option("--plan", "plan_path", default=None, type=click.Path(), help="Run under a plan (npumoe plan --out).")
+@click.option("--target", type=click.Choice(["cpu", "htp", "ane"]), default="cpu", show_default=True,
+              help="Where NPU-placed graphs run; htp/ane need --artifacts from npumoe build.")
+@click.option("--artifacts", default=None, type=click.Path(), help="Artifact directory from npumoe build.")
+def generate_command(model_dir, prompt, ids, max_new_tokens, chunk, max_context, plan_path, target, artifacts):
     """Greedy-generate a continuation, through npumoe's own graphs and host runtime.
 
-    Example: npumoe generate --prompt "import os" -n 40
+    \b
+    Examples:
+      npumoe generate --prompt "import os" -n 40
+      npumoe generate --target htp --artifacts build/htp
     """
+    from npumoe.core.plan import Plan
+
     model = load(model_dir)
     tokens = prompt_ids(model, prompt, ids)
-    eng = Engine(model, chunk=chunk, max_context=max_context)
+    plan = Plan.load(plan_path) if plan_path else None
+    eng = Engine(model, plan=plan, backend=target, artifacts=artifacts, chunk=chunk, max_context=max_context)
     start = time.perf_counter()
     new = eng.generate(np.asarray(tokens), max_new_tokens=max_new_tokens)
     seconds = time.perf_counter() - start

@@ -1,0 +1,142 @@
+"""Calibration and planning: what they measure, what they decide, and how they refuse bad input."""
+
+import json
+
+import numpy as np
+import pytest
+
+import npumoe
+from hf_compare import build_checkpoint, transformers
+from npumoe.cli import main
+from npumoe.core.calibrate import RoutingProfile, calibrate, imbalance, overlap_at_k
+from npumoe.core.plan import Plan, expected_overflow, expected_padding, optimal_tiers, plan
+from npumoe.errors import ArtifactError, InputError
+
+CFG = dict(vocab_size=256, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+           num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts_per_tok=2)
+
+
+def byte_model(path, experts=8, seed=0):
+    build_checkpoint(transformers.Qwen3MoeConfig(**CFG, num_experts=experts), path, seed=seed)
+    (path / "npumoe_tokenizer.json").write_text('{"kind": "bytes"}')
+    return npumoe.load(path)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return byte_model(tmp_path_factory.mktemp("m"))
+
+
+@pytest.fixture(scope="module")
+def profile(model):
+    rng = np.random.default_rng(0)
+    texts = [rng.integers(32, 127, 700).tolist() for _ in range(3)]
+    return calibrate(model, texts, chunk=32)
+
+
+def test_profile_counts_every_routed_token(model, profile):
+    for i in model.spec.moe_layers:
+        loads = profile.loads[i]
+        assert loads.shape == (3 * (700 // 32), 8)  # full chunks only
+        assert (loads.sum(axis=1) == 32 * 2).all()  # top-2 of 32 tokens
+        assert profile.imbalance(i) == pytest.approx(np.mean(loads.max(1) / loads.mean(1)))
+        assert list(profile.popularity(i)) == list(np.argsort(-loads.sum(0), kind="stable"))
+
+
+def test_profile_round_trips_and_overlap(model, profile, tmp_path):
+    path = profile.save(tmp_path / "p.json")
+    again = RoutingProfile.load(path)
+    for i in profile.layers:
+        np.testing.assert_array_equal(again.loads[i], profile.loads[i])
+    assert overlap_at_k(profile, again, 2) == {i: 1.0 for i in profile.layers}
+
+
+def test_optimal_tiers_never_worse_than_one_capacity():
+    rng = np.random.default_rng(1)
+    loads = rng.poisson(lam=rng.uniform(5, 40, size=8), size=(200, 8))
+    tiers, tier_of = optimal_tiers(loads, align=1, max_overflow=0.10)
+    assert len(tiers) <= 3
+    chosen = np.asarray([tiers[t] for t in tier_of])
+    pad = expected_padding(loads, chosen)[np.arange(8), np.arange(8)].sum()
+    over = expected_overflow(loads, chosen)[np.arange(8), np.arange(8)].sum()
+    assert over <= 0.10 * loads.sum(1).mean() + 1e-9
+    # the best single capacity meeting the same overflow budget pads at least as much
+    for c in range(1, loads.max() + 1):
+        if expected_overflow(loads, np.array([c])).sum() <= 0.10 * loads.sum(1).mean():
+            assert expected_padding(loads, np.array([c])).sum() >= pad - 1e-9
+            break
+
+
+def test_plan_respects_alignment_and_round_trips(model, profile, tmp_path):
+    p = plan(model, profile, target="ane", residency="npu")
+    for lp in p.layers.values():
+        assert all(t % 16 == 0 for t in lp.tiers)
+        grouped = sorted(e for g in lp.groups for e in g.experts)
+        assert grouped == list(range(8))  # every expert in exactly one group
+    assert Plan.load(p.save(tmp_path / "plan.json")).to_json() == p.to_json()
+
+
+def test_auto_residency_keeps_tiny_experts_off_the_npu(model, profile):
+    """These experts are far too small to pay for an HTP launch; forcing npu overrides that."""
+    auto = plan(model, profile, target="htp", residency="auto")
+    assert all(g.residency == "cpu" for lp in auto.layers.values() for g in lp.groups)
+    forced = plan(model, profile, target="htp", residency="npu")
+    assert all(g.residency == "npu" and g.capacity > 0 for lp in forced.layers.values() for g in lp.groups)
+
+
+def test_profile_from_another_model_is_refused(profile, tmp_path):
+    other = byte_model(tmp_path / "other", experts=4)
+    with pytest.raises(ArtifactError, match="another model"):
+        plan(other, profile, target="htp")
+
+
+def test_plan_for_another_model_is_refused(model, profile, tmp_path):
+    other = byte_model(tmp_path / "other", experts=4)
+    p = plan(model, profile, target="htp", residency="npu")
+    with pytest.raises(ArtifactError, match="another model"):
+        npumoe.Engine(other, plan=p)
+
+
+def test_infeasible_plan_names_the_limit(model, profile, monkeypatch):
+    from npumoe.backends.apple_ane import caps as ane_caps
+    from dataclasses import replace
+
+    monkeypatch.setattr(ane_caps, "ANE_CAPS", replace(ane_caps.ANE_CAPS, max_graph_bytes=100))
+    with pytest.raises(InputError, match="one expert needs .* GB but a ane graph may hold"):
+        plan(model, profile, target="ane")
+
+
+def test_short_or_empty_calibration_text(model, tmp_path, capsys):
+    with pytest.raises(InputError, match="too short"):
+        calibrate(model, ["abc"], chunk=32)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(SystemExit) as e:
+        main(["calibrate", "--model", str(model.path), "--text", str(empty), "--out", str(tmp_path / "p.json")])
+    assert e.value.code == 2 and "empty" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_cli_calibrate_plan_plot(model, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("def f(x):\n    return x * 2\n" * 40)
+    main_ok(["calibrate", "--model", str(model.path), "--text", str(text), "--chunk", "32",
+             "--out", str(tmp_path / "p.json"), "--plot", str(tmp_path / "p.png")])
+    main_ok(["plan", "--model", str(model.path), "--profile", str(tmp_path / "p.json"), "--target", "ane",
+             "--residency", "npu", "--out", str(tmp_path / "plan.json"), "--plot", str(tmp_path / "plan.png")])
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["kind"] == "npumoe.Plan" and data["target"] == "ane"
+    main_ok(["calibrate", "--compare", str(tmp_path / "p.json"), str(tmp_path / "p.json")])
+
+
+def main_ok(argv):
+    try:
+        main(argv)
+    except SystemExit as e:
+        assert e.code in (0, None)
+
+
+def test_imbalance_of_balanced_load_is_one():
+    assert imbalance(np.full((4, 8), 5)) == 1.0

@@ -30,19 +30,24 @@ def rename(template: str) -> Callable[[re.Match, torch.Tensor], Tensors]:
     return handler
 
 
-def stacked_experts(kind: str) -> Callable[[re.Match, torch.Tensor], Tensors]:
-    """Split stacked expert tensors: gate_up [E, 2I, H] (gate rows first) or down [E, H, I]."""
+def stacked_experts(
+    kind: str, transposed: bool = False, interleaved: bool = False
+) -> Callable[[re.Match, torch.Tensor], Tensors]:
+    """Split stacked expert tensors: gate_up [E, 2I, H] (gate rows first, or alternating
+    gate/up rows when ``interleaved``) or down [E, H, I]; ``transposed`` checkpoints store
+    [E, in, out] (gpt-oss). A 2-D tensor is the matching stacked bias, [E, 2I] or [E, H]."""
 
     def handler(m: re.Match, t: torch.Tensor) -> Tensors:
-        i = m.group(1)
+        i, param = m.group(1), "weight" if t.dim() == 3 else "bias"
         for e in range(t.shape[0]):
             base = f"layers.{i}.moe.experts.{e}"
+            w = t[e].T if transposed and param == "weight" else t[e]
             if kind == "gate_up":
-                gate, up = t[e].chunk(2, dim=0)
-                yield f"{base}.gate.weight", gate
-                yield f"{base}.up.weight", up
+                gate, up = (w[0::2], w[1::2]) if interleaved else w.chunk(2, dim=0)
+                yield f"{base}.gate.{param}", gate
+                yield f"{base}.up.{param}", up
             else:
-                yield f"{base}.down.weight", t[e]
+                yield f"{base}.down.{param}", w
 
     return handler
 
@@ -59,6 +64,8 @@ COMMON_RULES: list[Rule] = rules(
     (L + r"post_attention_layernorm\.(weight|bias)", rename(r"layers.\1.ffn_norm.\2")),
     (L + r"self_attn\.(q|k|v|o)_proj\.(weight|bias)", rename(r"layers.\1.attn.\2.\3")),
     (L + r"self_attn\.(q|k)_norm\.weight", rename(r"layers.\1.attn.\2_norm.weight")),
+    (L + r"self_attn\.(q_a|q_b|kv_a|kv_b)_proj(?:_with_mqa)?\.(weight|bias)", rename(r"layers.\1.attn.\2.\3")),
+    (L + r"self_attn\.(q_a|kv_a)_layernorm\.weight", rename(r"layers.\1.attn.\2_norm.weight")),
     (L + r"mlp\.(gate|up|down)_proj\.(weight|bias)", rename(r"layers.\1.mlp.\2.\3")),
     (L + r"mlp\.gate\.weight", rename(r"layers.\1.moe.router.weight")),
     (L + r"mlp\.gate\.e_score_correction_bias", rename(r"layers.\1.moe.router.correction_bias")),
@@ -107,6 +114,9 @@ def require(cfg: dict, *keys: str):
     return value
 
 
+ROPE_KINDS = ("default", "linear", "yarn", "llama3", "longrope")
+
+
 def rope_spec(cfg: dict, head_dim: int, interleaved: bool = False) -> RopeSpec:
     """RoPE from either spelling: ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``."""
     params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
@@ -114,7 +124,12 @@ def rope_spec(cfg: dict, head_dim: int, interleaved: bool = False) -> RopeSpec:
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     partial = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0
-    params.setdefault("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+    if kind not in ROPE_KINDS:
+        raise UnsupportedModelError(f"rope type {kind!r} is not supported; supported: {', '.join(ROPE_KINDS)}.")
+    # transformers prefers the top-level value and falls back to max_position_embeddings
+    params["original_max_position_embeddings"] = first(
+        cfg, "original_max_position_embeddings", default=params.get("original_max_position_embeddings")
+    ) or cfg.get("max_position_embeddings", 2048)
     clean = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items() if v is not None))
     return RopeSpec(
         theta=theta,

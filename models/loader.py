@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 
 from npumoe.core.spec import ModelSpec
 from npumoe.core.weights import Weights
-from npumoe.errors import ModelDirError, WeightError
+from npumoe.errors import ModelDirError, UnsupportedModelError, WeightError
 from npumoe.models.registry import adapter_for
 from npumoe.models.tokenizer import load_tokenizer
 
@@ -77,11 +77,24 @@ def read_tensors(path: Path, adapter) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def refuse_quantized(cfg: dict) -> None:
+    """Quantized checkpoints (FP8 DeepSeek-V3, MXFP4 gpt-oss, GPTQ, ...) store scales beside
+    their weights; reading the weights alone would be a silent wrong answer."""
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "an unknown method") if isinstance(quant, dict) else quant
+        raise UnsupportedModelError(
+            f"this checkpoint is quantized ({method}); npumoe needs unquantized bf16/fp16/fp32 weights, "
+            "so use a dequantized copy of the model."
+        )
+
+
 def load(path: str | Path | None = None) -> Model:
     """Load a checkpoint directory (default: the shipped demo model)."""
     path = Path(path) if path is not None else DEMO_DIR
     cfg = read_config(path)
     adapter = adapter_for(cfg.get("model_type"))
+    refuse_quantized(cfg)
     spec = adapter.spec(cfg)
     weights = Weights(read_tensors(path, adapter), spec, source=str(path))
     return Model(spec=spec, weights=weights, config=cfg, path=path, tokenizer=load_tokenizer(path))

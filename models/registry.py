@@ -7,6 +7,8 @@ import importlib
 from npumoe.errors import UnsupportedModelError
 
 ADAPTERS = {
+    "deepseek_v3": "npumoe.models.deepseek_v3:DeepseekV3Adapter",
+    "gpt_oss": "npumoe.models.gpt_oss:GptOssAdapter",
     "qwen3_moe": "npumoe.models.qwen3_moe:Qwen3MoeAdapter",
 }
 

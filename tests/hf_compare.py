@@ -19,10 +19,11 @@ transformers = __import__("pytest").importorskip("transformers")
 LOGIT_TOL = 1e-4
 
 
-def build_checkpoint(config, path: Path, layout: str = "native", seed: int = 0, jitter: float = 0.05):
+def build_checkpoint(config, path: Path, layout: str = "native", seed: int = 0, jitter: float = 0.05, prepare=None):
     """Save a randomly initialised model; every parameter is jittered so that biases, norm
     weights and zero-initialised routers are non-trivial. ``layout="stacked"`` writes the
-    in-memory state dict as is (3-D stacked expert tensors) instead of the on-disk format."""
+    in-memory state dict as is (3-D stacked expert tensors) instead of the on-disk format.
+    ``prepare(model)`` runs after the jitter, to set what it skips (buffers, chosen values)."""
     torch.manual_seed(seed)
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -30,6 +31,8 @@ def build_checkpoint(config, path: Path, layout: str = "native", seed: int = 0, 
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * jitter)
+        if prepare is not None:
+            prepare(model)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     if layout == "stacked":

@@ -58,8 +58,18 @@ def _llama3(rope: RopeSpec, base_inv: np.ndarray) -> np.ndarray:
     return np.where(medium, smoothed, inv).astype(np.float32)
 
 
-def inverse_frequencies(rope: RopeSpec, head_dim: int, seq_len: int = 0) -> tuple[np.ndarray, float]:
-    """(inv_freq [R/2], cos/sin scaling) for this rope; ``seq_len`` only matters for longrope."""
+def short_context(rope: RopeSpec) -> int | None:
+    """The longest sequence whose rope tables do not depend on its length (None: any length).
+
+    longrope swaps its short factors for long ones once a sequence passes
+    ``original_max_position_embeddings``, which changes the rotation of every key already
+    cached; a static KV cache cannot follow, so the engine stops sequences at this length.
+    """
+    return rope.p["original_max_position_embeddings"] if rope.kind == "longrope" else None
+
+
+def inverse_frequencies(rope: RopeSpec, head_dim: int) -> tuple[np.ndarray, float]:
+    """(inv_freq [R/2], cos/sin scaling) for this rope (longrope: within its short context)."""
     dim = rope.rotary_dim or head_dim
     exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
     base_inv = (1.0 / (rope.theta ** exponent)).astype(np.float32)
@@ -78,16 +88,16 @@ def inverse_frequencies(rope: RopeSpec, head_dim: int, seq_len: int = 0) -> tupl
         scaling = p.get("attention_factor")
         if scaling is None:
             scaling = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
-        ext = np.asarray(p["long_factor"] if seq_len > orig else p["short_factor"], dtype=np.float32)
+        ext = np.asarray(p["short_factor"], dtype=np.float32)
         return (1.0 / (ext * rope.theta ** exponent)).astype(np.float32), float(scaling)
     raise UnsupportedModelError(
         f"rope type {rope.kind!r} is not supported; supported: default, linear, yarn, llama3, longrope."
     )
 
 
-def cos_sin(rope: RopeSpec, head_dim: int, positions: np.ndarray, seq_len: int = 0):
+def cos_sin(rope: RopeSpec, head_dim: int, positions: np.ndarray):
     """cos, sin tables [len(positions), R] in fp32 (halves repeated, scaling applied)."""
-    inv, scaling = inverse_frequencies(rope, head_dim, seq_len)
+    inv, scaling = inverse_frequencies(rope, head_dim)
     freqs = np.outer(positions.astype(np.float32), inv).astype(np.float32)
     emb = np.concatenate([freqs, freqs], axis=-1)
     return (np.cos(emb) * scaling).astype(np.float32), (np.sin(emb) * scaling).astype(np.float32)

@@ -24,7 +24,7 @@ class NormSpec:
 class RopeSpec:
     """Rotary embedding: which dims rotate, their frequencies, and the cos/sin scaling.
 
-    ``kind`` is one of default, linear, dynamic, yarn, llama3, longrope; ``params`` holds
+    ``kind`` is one of default, linear, yarn, llama3, longrope; ``params`` holds
     that kind's numbers (factor, beta_fast, short_factor, ...) as sorted (key, value) pairs
     so the spec stays hashable.
     """

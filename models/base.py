@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from npumoe.core.spec import NormSpec, RopeSpec
+from npumoe.core.spec import AttentionSpec, NormSpec, RopeSpec
 from npumoe.errors import UnsupportedModelError
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
@@ -74,6 +74,12 @@ COMMON_RULES: list[Rule] = rules(
     (L + r"mlp\.experts\.down_proj", stacked_experts("down")),
     (L + r"mlp\.shared_experts?\.(gate|up|down)_proj\.weight", rename(r"layers.\1.moe.shared.\2.weight")),
     (L + r"mlp\.shared_expert_gate\.weight", rename(r"layers.\1.moe.shared_gate.weight")),
+    (L + r"mlp\.router\.weight", rename(r"layers.\1.moe.router.weight")),
+    # Mixtral's on-disk names (Mixtral, PhiMoE): w1 = gate, w3 = up, w2 = down
+    (L + r"block_sparse_moe\.gate\.weight", rename(r"layers.\1.moe.router.weight")),
+    (L + r"block_sparse_moe\.experts\.(\d+)\.w1\.weight", rename(r"layers.\1.moe.experts.\2.gate.weight")),
+    (L + r"block_sparse_moe\.experts\.(\d+)\.w3\.weight", rename(r"layers.\1.moe.experts.\2.up.weight")),
+    (L + r"block_sparse_moe\.experts\.(\d+)\.w2\.weight", rename(r"layers.\1.moe.experts.\2.down.weight")),
 )
 
 
@@ -141,6 +147,53 @@ def rope_spec(cfg: dict, head_dim: int, interleaved: bool = False) -> RopeSpec:
     )
 
 
+def layer_windows(cfg: dict, default_kinds: Callable[[int], list[str]]) -> list[int | None]:
+    """Each layer's attention window from ``layer_types`` (or the family's default pattern)."""
+    n = require(cfg, "num_hidden_layers")
+    kinds = cfg.get("layer_types") or default_kinds(n)
+    unknown = set(kinds) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise UnsupportedModelError(
+            f"layer type {sorted(unknown)[0]!r} is not supported; use sliding_attention or full_attention."
+        )
+    window = cfg.get("sliding_window")
+    if "sliding_attention" in kinds[:n] and not window:
+        raise UnsupportedModelError(
+            f"this config has sliding_attention layers but sliding_window is {window!r}; set it to a positive size."
+        )
+    return [window if kind == "sliding_attention" else None for kind in kinds[:n]]
+
+
+def gqa_attention(cfg: dict, **extra) -> AttentionSpec:
+    """Llama-style grouped-query attention; ``attention_bias`` covers q, k, v and o."""
+    heads = require(cfg, "num_attention_heads")
+    head_dim = first(cfg, "head_dim", default=require(cfg, "hidden_size") // heads)
+    bias = bool(cfg.get("attention_bias", False))
+    return AttentionSpec(
+        kind="gqa",
+        num_heads=heads,
+        num_kv_heads=first(cfg, "num_key_value_heads", default=heads),
+        head_dim=head_dim,
+        v_head_dim=head_dim,
+        scale=head_dim**-0.5,
+        rope=rope_spec(cfg, head_dim),
+        qkv_bias=bias,
+        o_bias=bias,
+        **extra,
+    )
+
+
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+
+
+def activation(cfg: dict) -> str:
+    """``hidden_act`` as an MLPSpec activation; others are refused rather than approximated."""
+    act = cfg.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise UnsupportedModelError(f"hidden_act {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}.")
+    return ACTIVATIONS[act]
+
+
 def rms_norm(cfg: dict) -> NormSpec:
     return NormSpec("rms", float(first(cfg, "rms_norm_eps", "layer_norm_eps", default=1e-6)))
 
@@ -152,5 +205,8 @@ def eos_ids(cfg: dict) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-def layer_indices(cfg: dict, value, n_layers: int) -> set[int]:
-    return set(value or ()) & set(range(n_layers))
+def is_sparse(cfg: dict, i: int, num_experts: int) -> bool:
+    """Qwen's rule (Qwen2-MoE, Qwen3-MoE): layer ``i`` is MoE unless listed in ``mlp_only_layers``
+    or off the ``decoder_sparse_step`` beat."""
+    step = cfg.get("decoder_sparse_step") or 1
+    return i not in (cfg.get("mlp_only_layers") or []) and num_experts > 0 and (i + 1) % step == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from npumoe.core.rope import yarn_mscale
 from npumoe.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RopeSpec, RouterSpec
-from npumoe.models.base import Adapter, eos_ids, require, rms_norm, rope_spec
+from npumoe.models.base import Adapter, activation, eos_ids, require, rms_norm, rope_spec
 
 # transformers' DeepseekV3Config defaults, for keys a config.json may leave out
 DEFAULTS = {
@@ -48,7 +48,7 @@ def attention(cfg: dict) -> AttentionSpec:
 
 def experts(cfg: dict) -> MoESpec:
     """Sigmoid scores; the correction bias and the group limit steer only which experts are picked."""
-    act, size, shared = cfg["hidden_act"], require(cfg, "moe_intermediate_size"), cfg["n_shared_experts"]
+    act, size, shared = activation(cfg), require(cfg, "moe_intermediate_size"), cfg["n_shared_experts"]
     router = RouterSpec(
         top_k=require(cfg, "num_experts_per_tok"),
         scoring="sigmoid",
@@ -72,7 +72,7 @@ class DeepseekV3Adapter(Adapter):
     def spec(self, cfg: dict) -> ModelSpec:
         cfg = {**DEFAULTS, **cfg}
         att, moe, norm = attention(cfg), experts(cfg), rms_norm(cfg)
-        dense = MLPSpec(require(cfg, "intermediate_size"), cfg["hidden_act"])
+        dense = MLPSpec(require(cfg, "intermediate_size"), activation(cfg))
         first_moe = cfg["first_k_dense_replace"] or 0
         layers = tuple(
             LayerSpec(att, moe if i >= first_moe else dense, norm) for i in range(require(cfg, "num_hidden_layers"))

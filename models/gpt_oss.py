@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from npumoe.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
-from npumoe.errors import UnsupportedModelError
-from npumoe.models.base import L, Adapter, eos_ids, rename, require, rms_norm, rope_spec, rules, stacked_experts
+from npumoe.models.base import (
+    L, Adapter, eos_ids, layer_windows, rename, require, rms_norm, rope_spec, rules, stacked_experts,
+)
 
 # transformers' GptOssConfig defaults, for keys a config.json may leave out
 DEFAULTS = {
@@ -18,16 +19,9 @@ DEFAULT_ROPE_SCALING = {
 }  # fmt: skip
 
 
-def sliding_windows(cfg: dict) -> list[int | None]:
-    """Each layer's window from ``layer_types``; by default even layers slide and odd ones see all."""
-    n = require(cfg, "num_hidden_layers")
-    kinds = cfg.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
-    unknown = set(kinds) - {"sliding_attention", "full_attention"}
-    if unknown:
-        raise UnsupportedModelError(
-            f"gpt-oss layer type {sorted(unknown)[0]!r} is not supported; use sliding_attention or full_attention."
-        )
-    return [cfg["sliding_window"] if kind == "sliding_attention" else None for kind in kinds[:n]]
+def alternating(n: int) -> list[str]:
+    """gpt-oss's default: even layers slide, odd ones see everything."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
 
 
 def attention(cfg: dict, window: int | None) -> AttentionSpec:
@@ -79,7 +73,7 @@ class GptOssAdapter(Adapter):
     def spec(self, cfg: dict) -> ModelSpec:
         cfg = {**DEFAULTS, **cfg}
         moe, norm = experts(cfg), rms_norm(cfg)
-        layers = tuple(LayerSpec(attention(cfg, window), moe, norm) for window in sliding_windows(cfg))
+        layers = tuple(LayerSpec(attention(cfg, window), moe, norm) for window in layer_windows(cfg, alternating))
         return ModelSpec(
             family="gpt_oss",
             vocab_size=require(cfg, "vocab_size"),

@@ -9,6 +9,10 @@ from npumoe.errors import UnsupportedModelError
 ADAPTERS = {
     "deepseek_v3": "npumoe.models.deepseek_v3:DeepseekV3Adapter",
     "gpt_oss": "npumoe.models.gpt_oss:GptOssAdapter",
+    "mixtral": "npumoe.models.mixtral:MixtralAdapter",
+    "olmoe": "npumoe.models.olmoe:OlmoeAdapter",
+    "phimoe": "npumoe.models.phimoe:PhimoeAdapter",
+    "qwen2_moe": "npumoe.models.qwen2_moe:Qwen2MoeAdapter",
     "qwen3_moe": "npumoe.models.qwen3_moe:Qwen3MoeAdapter",
 }
 

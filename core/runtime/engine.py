@@ -16,7 +16,7 @@ from npumoe.backends.base import Executor
 from npumoe.backends.cpu.executor import TorchGraphExecutor
 from npumoe.core.graphs import experts_graph
 from npumoe.core.program import Program, build_program
-from npumoe.core.rope import cos_sin
+from npumoe.core.rope import cos_sin, short_context
 from npumoe.core.runtime.kvcache import KVCache, attention_mask
 from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.moe import MoELayer
@@ -56,6 +56,7 @@ class Engine:
         self.cache = KVCache(self.program)
         self.metrics_ = Metrics()
         self.moe_layers = self._moe_layers()
+        self.rope_limit = min(filter(None, (short_context(ls.attention.rope) for ls in self.spec.layers)), default=None)
 
     # -- set-up ---------------------------------------------------------------------------
     def _load_executors(self, backend: str, artifacts) -> dict[str, Executor]:
@@ -111,6 +112,7 @@ class Engine:
                 f"prompt ({len(ids)} tokens) plus {max_new_tokens} new tokens exceeds the KV cache "
                 f"length {self.cache.capacity}; shorten the prompt or build with a larger max_context."
             )
+        self._check_rope_range(len(ids) + max_new_tokens)
         self.cache.reset()
         logits = self._prefill(ids)[-1]
         new: list[int] = []
@@ -145,7 +147,15 @@ class Engine:
                 f"the prompt has {arr.size} tokens but the KV cache holds {self.cache.capacity}; "
                 "shorten it or raise max_context."
             )
+        self._check_rope_range(arr.size)
         return torch.from_numpy(arr.astype(np.int64))
+
+    def _check_rope_range(self, length: int) -> None:
+        if self.rope_limit is not None and length > self.rope_limit:
+            raise InputError(
+                f"{length} tokens pass this model's longrope short context of {self.rope_limit}, beyond which every "
+                "cached key would need re-rotating with the long factors; keep prompt plus new tokens within it."
+            )
 
     def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
         chunk, rows = self.program.chunk, []
@@ -170,7 +180,7 @@ class Engine:
             att = spec.layers[i].attention
             with m.time("rope_mask"):
                 head_dim = att.qk_rope_head_dim if att.kind == "mla" else att.head_dim
-                cos, sin = cos_sin(att.rope, head_dim, np.arange(start, start + seq), start + seq)
+                cos, sin = cos_sin(att.rope, head_dim, np.arange(start, start + seq))
                 mask = attention_mask(att, start, seq, valid, self.cache.capacity)
             with m.time("attention"):
                 out = self._run(step.attention[seq], {

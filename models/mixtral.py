@@ -1,0 +1,41 @@
+"""Mixtral: GQA, softmax top-k routing renormalised over the k picked, every layer MoE, and an
+optional sliding window on every layer.
+
+Checkpoints name experts ``block_sparse_moe.experts.N.w1/w3/w2`` (gate/up/down) or, as
+transformers 5 holds them, stacked ``mlp.experts.gate_up_proj``; the common table reads both.
+"""
+
+from __future__ import annotations
+
+from npumoe.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
+from npumoe.models.base import Adapter, activation, eos_ids, gqa_attention, require, rms_norm
+
+# transformers' MixtralConfig defaults, for keys a config.json may leave out
+DEFAULTS = {
+    "rope_theta": 1e6, "rms_norm_eps": 1e-5, "num_key_value_heads": 8, "num_experts_per_tok": 2,
+    "max_position_embeddings": 131072, "eos_token_id": 2,
+}  # fmt: skip
+
+
+class MixtralAdapter(Adapter):
+    model_types = ("mixtral",)
+
+    def spec(self, cfg: dict) -> ModelSpec:
+        cfg = {**DEFAULTS, **cfg}
+        attention = gqa_attention(cfg, sliding_window=cfg.get("sliding_window"))
+        moe = MoESpec(
+            num_experts=require(cfg, "num_local_experts", "num_experts"),
+            router=RouterSpec(top_k=cfg["num_experts_per_tok"], normalize=True),
+            expert=MLPSpec(require(cfg, "intermediate_size"), activation(cfg)),
+        )
+        norm = rms_norm(cfg)
+        return ModelSpec(
+            family="mixtral",
+            vocab_size=require(cfg, "vocab_size"),
+            hidden_size=require(cfg, "hidden_size"),
+            layers=tuple(LayerSpec(attention, moe, norm) for _ in range(require(cfg, "num_hidden_layers"))),
+            norm=norm,
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids(cfg),
+            max_position=int(cfg["max_position_embeddings"]),
+        )

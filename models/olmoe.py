@@ -1,0 +1,34 @@
+"""OLMoE: qk-norm over the whole projected q and k (not per head), then optional clamping of
+q, k and v; softmax top-k routing, optionally renormalised; every layer is MoE."""
+
+from __future__ import annotations
+
+from npumoe.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
+from npumoe.models.base import Adapter, activation, eos_ids, gqa_attention, require, rms_norm
+
+# transformers' OlmoeConfig defaults, for keys a config.json may leave out
+DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096}
+
+
+class OlmoeAdapter(Adapter):
+    model_types = ("olmoe",)
+
+    def spec(self, cfg: dict) -> ModelSpec:
+        cfg = {**DEFAULTS, **cfg}
+        norm = rms_norm(cfg)
+        attention = gqa_attention(cfg, qk_norm="full", qk_norm_eps=norm.eps, clip_qkv=cfg.get("clip_qkv"))
+        moe = MoESpec(
+            num_experts=require(cfg, "num_experts", "num_local_experts"),
+            router=RouterSpec(top_k=require(cfg, "num_experts_per_tok"), normalize=bool(cfg.get("norm_topk_prob"))),
+            expert=MLPSpec(require(cfg, "intermediate_size"), activation(cfg)),
+        )
+        return ModelSpec(
+            family="olmoe",
+            vocab_size=require(cfg, "vocab_size"),
+            hidden_size=require(cfg, "hidden_size"),
+            layers=tuple(LayerSpec(attention, moe, norm) for _ in range(require(cfg, "num_hidden_layers"))),
+            norm=norm,
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids(cfg),
+            max_position=int(cfg["max_position_embeddings"]),
+        )

@@ -1,0 +1,150 @@
+"""The Apple Neural Engine backend: Core ML packages built the ANE way, linted, and runnable anywhere.
+
+``build`` groups the plan's NPU graphs into packages (:mod:`.packaging`), lowers each graph
+to an ANE-layout torch module (:mod:`.layout`), converts it to an fp16 ML program with our
+MIL passes (:mod:`.convert`, :mod:`.passes`), compresses its weights (:mod:`.compress`),
+saves each package's functions as one multifunction ``.mlpackage`` (weights stored once,
+the KV cache as two states) and lints it (:mod:`.lint`). ``via="executorch"`` lowers the
+same modules with ExecuTorch's Core ML partitioner to ``.pte`` instead (:mod:`.pte`).
+
+``load`` returns executors over the saved packages: the Core ML runtime on macOS, the
+numpy MIL interpreter (:mod:`.mil_exec`) elsewhere.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from npumoe.backends.apple_ane.caps import ANE_CAPS
+from npumoe.backends.apple_ane.compress import precision_for, scheme
+from npumoe.backends.apple_ane.packaging import PackagePlan, function_name, plan_packages
+from npumoe.backends.apple_ane.rules import DEFAULT_PLATFORM, POSITION_INPUT
+from npumoe.backends.base import BackendBase
+from npumoe.errors import ArtifactError, BackendUnavailableError, InputError
+
+VIAS = ("coreml", "executorch")
+PTE_PRECISIONS = ("fp16", "int4")  # what ExecuTorch's Core ML compile specs express
+PACKAGE_DIR = "packages"
+
+
+def require_coremltools() -> None:
+    try:
+        import coremltools  # noqa: F401
+    except ImportError as err:
+        raise BackendUnavailableError(
+            f"the ANE backend needs coremltools ({err}); install it with pip install 'npumoe[ane]'."
+        ) from err
+
+
+class AneBackend(BackendBase):
+    name = "ane"
+    caps = ANE_CAPS
+
+    def __init__(self, via: str = "coreml", precision: str = "fp16", **other):
+        if other:
+            raise InputError(f"--{next(iter(other))} does not apply to the ANE; its options are --via and --precision.")
+        if via not in VIAS:
+            raise InputError(f"--via {via!r} is not one of {', '.join(VIAS)} for the ANE.")
+        scheme(precision)  # validates
+        if via == "executorch" and precision not in PTE_PRECISIONS:
+            raise InputError(f"--via executorch takes --precision {' or '.join(PTE_PRECISIONS)}, not {precision!r}; "
+                             "use --via coreml for palettised weights.")
+        self.via, self.precision = via, precision
+        self.packages: dict[str, dict] = {}
+        self._runtimes: dict[Path, object] = {}
+
+    # -- build -----------------------------------------------------------------------------------
+    def build(self, graphs, weights, out_dir: Path, progress: bool = True) -> dict[str, dict]:
+        from rich.progress import Progress
+
+        require_coremltools()
+        entries: dict[str, dict] = {}
+        with Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task(f"compiling for {self.name}", total=len(graphs))
+            for pkg in plan_packages(graphs, weights, self.precision, DEFAULT_PLATFORM):
+                entries |= self._build_package(pkg, weights, Path(out_dir), bar, task)
+        return entries
+
+    def _build_package(self, pkg: PackagePlan, weights, out_dir: Path, bar, task) -> dict[str, dict]:
+        from npumoe.backends.apple_ane.layout import AneGraphModule
+
+        modules = {function_name(g): AneGraphModule(g, weights, pkg.kv) for g in pkg.graphs}
+        precision = precision_for(pkg.kind, self.precision)
+        if self.via == "executorch":
+            from npumoe.backends.apple_ane.pte import save_pte
+
+            rel, fmt = Path(PACKAGE_DIR) / f"{pkg.name}.pte", "pte"
+            bar.update(task, description=f"{self.name} (executorch): {pkg.name}")
+            save_pte(modules, out_dir / rel, precision)
+            bar.advance(task, len(modules))
+        else:
+            rel, fmt = Path(PACKAGE_DIR) / f"{pkg.name}.mlpackage", "mlprogram"
+            self._save_mlpackage(modules, out_dir / rel, precision, bar, task)
+        self.packages[pkg.name] = {
+            "path": str(rel),
+            "functions": list(modules),
+            "states": pkg.kv.to_json() if pkg.kv else None,
+            "precision": precision,
+            "bytes": sum(p.stat().st_size for p in [out_dir / rel, *(out_dir / rel).rglob("*")] if p.is_file()),
+        }
+        return {g.name: self._entry(g, modules[function_name(g)], pkg, str(rel), fmt, precision) for g in pkg.graphs}
+
+    def _save_mlpackage(self, modules: dict, path: Path, precision: str, bar, task) -> None:
+        from npumoe.backends.apple_ane import lint
+        from npumoe.backends.apple_ane.convert import convert_graph, save_package
+
+        functions = {}
+        for name, module in modules.items():
+            bar.update(task, description=f"{self.name}: {module.graph.name}")
+            functions[name] = convert_graph(module, precision)
+            bar.advance(task)
+        save_package(functions, path)
+        lint.check(path)
+
+    def _entry(self, graph, module, pkg: PackagePlan, rel: str, fmt: str, precision: str) -> dict:
+        shapes = module.input_shapes()
+        return {
+            "format": fmt,
+            "package": rel,
+            "files": [rel],
+            "function": function_name(graph),
+            "function_inputs": {n: {"shape": list(shapes[n]), "layout": layout,
+                                    "dtype": "int32" if n == POSITION_INPUT else "float16"}
+                                for n, layout in module.input_layouts().items()},
+            "function_outputs": {n: {"ir_shape": list(graph.outputs[n].shape), "layout": layout}
+                                 for n, layout in module.output_layouts().items()},
+            "states": pkg.kv.to_json() if pkg.kv else None,
+            "compression": {"precision": precision, "op": scheme(precision).op,
+                            "scheme": scheme(precision).description},
+        }
+
+    def lower(self, graph, weights, out_dir: Path) -> dict:
+        """One graph as its own package (``build`` is the normal path: it shares packages)."""
+        return self.build([graph], weights, out_dir, progress=False)[graph.name]
+
+    # -- run -------------------------------------------------------------------------------------
+    def load(self, artifact: dict, out_dir: Path, graph, weights):
+        from npumoe.backends.apple_ane.executor import AneExecutor, runtime_for
+
+        if artifact.get("format") not in ("mlprogram", "pte"):
+            raise ArtifactError(f"{out_dir} was not built for the ANE; build it with npumoe build --target ane.")
+        path = Path(out_dir) / artifact["package"]
+        if path not in self._runtimes:
+            if artifact["format"] == "pte":
+                from npumoe.backends.apple_ane.pte import PteRuntime
+
+                self._runtimes[path] = PteRuntime(path)
+            else:
+                self._runtimes[path] = runtime_for(path)
+        runtime = self._runtimes[path]
+        if artifact["format"] == "mlprogram":
+            runtime.package.function(artifact["function"])  # a manifest naming a missing function fails here
+        return AneExecutor(runtime, artifact)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "via": self.via, "precision": self.precision,
+                "deployment_target": "iOS18 / macOS15", "compute_precision": "float16",
+                "platform": DEFAULT_PLATFORM, "packages": self.packages}
+
+
+__all__ = ["AneBackend", "ANE_CAPS"]

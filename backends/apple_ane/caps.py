@@ -1,18 +1,26 @@
-"""What the planner may assume about the Apple Neural Engine. No coremltools import needed."""
+"""What the planner may assume about the Apple Neural Engine, derived from the lint's rule table.
 
+No coremltools import needed: the planner reads this without the toolchain installed.
+"""
+
+from npumoe.backends.apple_ane import rules
 from npumoe.backends.base import Capabilities
-from npumoe.core.ir import OPS
 
 ANE_CAPS = Capabilities(
     name="ane",
-    ops=frozenset(OPS - {"lut_linear"}),  # low-bit weights reach Core ML as constexpr decompression instead
-    dtypes=("float16",),
+    ops=rules.ir_ops_on_ane(),
+    dtypes=(rules.COMPUTE_DTYPE,),
     static_shapes=True,
-    alignment=16,  # ANE tiles channels and sequence in multiples of 16 (NPUMoE §4, ANE MoE chapter)
+    alignment=rules.CHANNEL_ALIGNMENT,
     pow2_state_dims=True,
-    max_states=2,  # one concatenated K and one V state per package
-    max_graph_bytes=int(1.2e9),  # NPUMoE §4.2: graphs above ~1.2 GB fell back to CPU on M2 Ultra
+    max_states=rules.MAX_STATES,  # one concatenated K and one V state per package
+    max_graph_bytes=rules.max_graph_bytes(),  # graph budget, capped by the iOS package limit
     dispatch_seconds=2e-4,  # one Core ML prediction on an ANE-resident function, order of magnitude
     flops_per_second=3e12,  # fp16, sustained for FFN-sized 1×1 convs (M2-class estimate; peak 15.8 T)
-    notes=("packages ≤ 1 GB on iOS, ≤ 2 GB on macOS", "FP16 compute only"),
+    notes=(
+        f"packages ≤ {rules.MAX_PACKAGE_BYTES['ios'] / 1e9:g} GB on iOS, "
+        f"≤ {rules.MAX_PACKAGE_BYTES['macos'] / 1e9:g} GB on macOS",
+        "FP16 compute only",
+        "rule table: npumoe.backends.apple_ane.rules (checked by npumoe lint)",
+    ),
 )

@@ -1,0 +1,66 @@
+"""Core ML conversion: a traced ANE-layout module → an fp16 ML program (iOS18 / macOS15 opset),
+and a set of those → one multifunction package whose functions share their weights.
+
+Two traps this avoids: tracing with fp16 states needs a half model (coremltools only
+takes fp16 states), and shapes read from tensors while tracing become dynamic ``int`` ops
+that coremltools cannot fold under numpy 2 (the layout module keeps them static ints).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import coremltools as ct
+import numpy as np
+import torch
+from coremltools.models.utils import MultiFunctionDescriptor, save_multifunction
+
+from npumoe.backends.apple_ane import passes
+from npumoe.backends.apple_ane.compress import compress
+from npumoe.backends.apple_ane.layout import AneGraphModule
+from npumoe.backends.apple_ane.rules import POSITION_INPUT
+
+DEPLOYMENT_TARGET = ct.target.iOS18  # the same opset as macOS15: states and multifunction need it
+
+
+def _dtype(name: str):
+    return np.int32 if name == POSITION_INPUT else np.float16
+
+
+def convert_graph(module: AneGraphModule, precision: str) -> ct.models.MLModel:
+    module = module.half().eval()
+    shapes = module.input_shapes()
+    example = tuple(torch.zeros(s, dtype=torch.int32 if n == POSITION_INPUT else torch.float16)
+                    for n, s in shapes.items())
+    with torch.no_grad():
+        traced = torch.jit.trace(module, example, check_trace=False)
+    states = None
+    if module.stateful:
+        states = [ct.StateType(wrapped_type=ct.TensorType(shape=s, dtype=np.float16), name=n)
+                  for n, s in module.kv.shapes.items()]
+    mlmodel = ct.convert(
+        traced,
+        inputs=[ct.TensorType(name=n, shape=s, dtype=_dtype(n)) for n, s in shapes.items()],
+        outputs=[ct.TensorType(name=n, dtype=np.float16) for n in module.graph.outputs],
+        states=states,
+        convert_to="mlprogram",
+        minimum_deployment_target=DEPLOYMENT_TARGET,
+        compute_precision=ct.precision.FLOAT16,
+        pass_pipeline=passes.pipeline(),
+        skip_model_load=True,
+    )
+    return compress(mlmodel, precision)
+
+
+def save_package(functions: dict[str, ct.models.MLModel], path: Path) -> None:
+    """One ``.mlpackage`` holding every function; identical weights are stored once."""
+    with tempfile.TemporaryDirectory(prefix="npumoe-ane-") as scratch:
+        desc = MultiFunctionDescriptor()
+        for name, mlmodel in functions.items():
+            single = str(Path(scratch) / f"{name}.mlpackage")
+            mlmodel.save(single)
+            desc.add_function(single, src_function_name="main", target_function_name=name)
+        desc.default_function_name = next(iter(functions))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_multifunction(desc, str(path))

@@ -1,0 +1,110 @@
+"""Executors for built ANE packages: the Core ML runtime on macOS, ``mil_exec`` everywhere else.
+
+Both take and return the IR graph's named tensors (``h``, ``z``, ``k_new``, ``v_new`` /
+``y`` / ``logits``), translating at the boundary: activations to and from [1, C, 1, S],
+fp32 torch to fp16 and back. Every graph of one package shares one :class:`PackageRuntime`,
+so the prefill and decode functions of an attention package read and write the same K/V
+states (ANEMLL shares one ``make_state()`` across functions the same way). The engine's
+``k_cache``/``v_cache`` inputs are therefore not passed on: the states hold that cache.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from npumoe.backends.apple_ane.layout import from_ane, to_ane
+from npumoe.backends.apple_ane.mil_exec import MilFunction
+from npumoe.backends.apple_ane.mlpackage import NUMPY, Package
+from npumoe.errors import BackendUnavailableError
+
+
+def encode_inputs(artifact: dict, inputs: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    feed = {}
+    for name, spec in artifact["function_inputs"].items():
+        t = inputs[name].detach()
+        if spec["layout"] == "ane":
+            t = to_ane(t, tuple(t.shape))
+        feed[name] = t.numpy().astype(spec["dtype"])
+    return feed
+
+
+def decode_outputs(artifact: dict, raw: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, spec in artifact["function_outputs"].items():
+        t = torch.from_numpy(np.asarray(raw[name], dtype=np.float32))
+        out[name] = from_ane(t, tuple(spec["ir_shape"])).contiguous() if spec["layout"] == "ane" else t
+    return out
+
+
+class PackageRuntime:
+    """One saved package on the numpy interpreter: its functions (loaded on first use) and states."""
+
+    def __init__(self, path: Path):
+        self.package = Package(path)
+        self._functions: dict[str, MilFunction] = {}
+        self.states: dict[str, np.ndarray] = {}
+
+    def run(self, function: str, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if function not in self._functions:
+            fn = MilFunction(self.package, function)
+            for name, spec in fn.inputs.items():
+                if spec.state:
+                    self.states.setdefault(name, np.zeros(spec.shape, dtype=NUMPY[spec.dtype]))
+            self._functions[function] = fn
+        return self._functions[function](feed, self.states)
+
+
+class CoreMLRuntime:
+    """One saved package on the Core ML runtime (macOS), on CPU and Neural Engine."""
+
+    def __init__(self, path: Path):
+        import coremltools as ct
+
+        self.path, self._ct = path, ct
+        self.package = Package(path)
+        self._models: dict[str, object] = {}
+        self.state = None
+
+    def run(self, function: str, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if function not in self._models:
+            self._models[function] = self._ct.models.MLModel(
+                str(self.path), function_name=function, compute_units=self._ct.ComputeUnit.CPU_AND_NE)
+        model = self._models[function]
+        if not any(spec.state for spec in self.package.inputs(function).values()):
+            return model.predict(feed)
+        if self.state is None:
+            self.state = model.make_state()
+        return model.predict(feed, state=self.state)
+
+
+def runtime_for(path: Path):
+    """Core ML where it runs (macOS with coremltools' runtime), the numpy interpreter elsewhere."""
+    if sys.platform == "darwin":
+        try:
+            from coremltools import libcoremlpython  # noqa: F401
+        except ImportError as err:
+            raise BackendUnavailableError(
+                f"coremltools' Core ML runtime is missing on this Mac ({err}); "
+                "reinstall it with pip install 'npumoe[ane]'."
+            ) from err
+        return CoreMLRuntime(path)
+    return PackageRuntime(path)
+
+
+class AneExecutor:
+    """One graph's function in a package: IR tensors in, IR tensors out."""
+
+    def __init__(self, runtime, artifact: dict):
+        self.runtime, self.artifact = runtime, artifact
+        self.function = artifact["function"]
+
+    def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raw = self.runtime.run(self.function, encode_inputs(self.artifact, inputs))
+        if isinstance(raw, tuple):  # a .pte method: outputs by position
+            raw = dict(zip(self.artifact["function_outputs"], raw))
+        return decode_outputs(self.artifact, raw)

@@ -1,0 +1,282 @@
+"""IR graph → torch module in the ANE's layout, ready to trace into Core ML.
+
+The ANE computes on [1, C, 1, S] tensors and runs linear layers fastest as 1×1
+convolutions (Apple, "Deploying Transformers on the Apple Neural Engine", 2022). The module
+replays a graph's ops in that layout: an [S, C] activation stays [1, C, 1, S] through every
+op that can take it (linear, norms, elementwise, row slices and concats) and is put back in
+the IR's layout only where an op needs that (head reshapes, rope, attention).
+
+Shapes are static Python ints inferred once on the meta device, never read from tensors
+while tracing (a traced ``x.shape`` becomes a dynamic ``int`` op in Core ML). With a
+:class:`~npumoe.backends.apple_ane.kvstate.KVState`, the graph's ``k_cache``/``v_cache``
+inputs become reads of two state buffers and the chunk's ``k_new``/``v_new`` are written
+into them at ``position``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from npumoe.backends.apple_ane.kvstate import STATE_NAMES, KVState
+from npumoe.backends.apple_ane.rules import POSITION_INPUT
+from npumoe.backends.cpu.executor import OP_IMPLS
+from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op
+
+HOST_TABLES = frozenset({"cos", "sin", "mask"})  # 2-D inputs the host builds; every other 2-D I/O is [S, C]
+NEW_KV = {"k_cache": "k_new", "v_cache": "v_new"}
+
+
+class Val(NamedTuple):
+    t: torch.Tensor
+    act: bool  # True: a logical [S, C] activation held as [1, C, 1, S]
+
+
+def is_activation(name: str, shape: tuple[int, ...]) -> bool:
+    return len(shape) == 2 and name not in HOST_TABLES
+
+
+def to_ane(x: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    rows, channels = shape
+    return x.transpose(0, 1).reshape(1, channels, 1, rows)
+
+
+def from_ane(x: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    rows, channels = shape
+    return x.reshape(channels, rows).transpose(0, 1)
+
+
+def infer_shapes(graph: Graph, weights: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """Every value's logical shape, from the reference op implementations on the meta device."""
+    env = {n: torch.empty(t.shape, device="meta") for n, t in graph.inputs.items()}
+    for op in graph.ops:
+        args = [torch.empty(weights[n[len(WEIGHT_PREFIX):]].shape, device="meta") if n.startswith(WEIGHT_PREFIX)
+                else env[n] for n in op.inputs]
+        out = OP_IMPLS[op.op](*args, **op.a)
+        env.update(zip(op.outputs, out if isinstance(out, tuple) else (out,)))
+    return {n: tuple(int(d) for d in t.shape) for n, t in env.items()}
+
+
+class AneGraphModule(torch.nn.Module):
+    """One IR graph as a traceable module: ``forward(*inputs)`` in :meth:`input_names` order."""
+
+    def __init__(self, graph: Graph, weights: Mapping[str, torch.Tensor], kv: KVState | None = None):
+        super().__init__()
+        self.graph, self.kv = graph, kv
+        self.shapes = infer_shapes(graph, weights)
+        self._weight_attr: dict[tuple[str, bool], str] = {}
+        for op in graph.ops:
+            for i, name in enumerate(op.inputs):
+                if name.startswith(WEIGHT_PREFIX):
+                    self._register(name[len(WEIGHT_PREFIX):], weights, as_conv=op.op == "linear" and i == 1)
+        if kv is not None:
+            for name, shape in kv.shapes.items():
+                self.register_buffer(name, torch.zeros(shape))
+
+    def _register(self, name: str, weights, as_conv: bool) -> None:
+        w = weights[name].detach().float()
+        if as_conv:
+            w = w[:, :, None, None]  # [out, in] → 1×1 conv kernel
+        attr = name.replace(".", "_") + ("_conv" if as_conv else "")
+        self.register_buffer(attr, w.clone())
+        self._weight_attr[(name, as_conv)] = attr
+
+    @property
+    def stateful(self) -> bool:
+        return self.kv is not None
+
+    def input_names(self) -> list[str]:
+        names = [n for n in self.graph.inputs if not (self.stateful and n in STATE_NAMES)]
+        return names + [POSITION_INPUT] if self.stateful else names
+
+    def input_layouts(self) -> dict[str, str]:
+        """"ane" for [S, C] activations fed as [1, C, 1, S], "ir" for everything else."""
+        return {n: "ane" if n != POSITION_INPUT and is_activation(n, self.graph.inputs[n].shape) else "ir"
+                for n in self.input_names()}
+
+    def input_shapes(self) -> dict[str, tuple[int, ...]]:
+        out = {}
+        for name, layout in self.input_layouts().items():
+            shape = (1,) if name == POSITION_INPUT else self.graph.inputs[name].shape
+            out[name] = (1, shape[1], 1, shape[0]) if layout == "ane" else shape
+        return out
+
+    def output_layouts(self) -> dict[str, str]:
+        return {n: "ane" if is_activation(n, t.shape) else "ir" for n, t in self.graph.outputs.items()}
+
+    # -- tracing ----------------------------------------------------------------------------------
+    def forward(self, *args: torch.Tensor):
+        env: dict[str, Val] = {}
+        names = self.input_names()
+        for name, t in zip(names, args):
+            if name != POSITION_INPUT:
+                env[name] = Val(t, self.input_layouts()[name] == "ane")
+        if self.stateful:
+            for name in STATE_NAMES:
+                heads, length, dim = self.shapes[name]
+                env[name] = Val(getattr(self, name)[self.kv.slot(self.graph.layer), :heads, :length, :dim], False)
+        for op in self.graph.ops:
+            env[op.outputs[0]] = LOWER[op.op](self, op, [self._arg(n, env) for n in op.inputs], **op.a)
+        if self.stateful:
+            self._write_states(env, args[names.index(POSITION_INPUT)])
+        return tuple(self.as_act((n, env[n])) if layout == "ane" else self.logical(env[n], n)
+                     for n, layout in self.output_layouts().items())
+
+    def _arg(self, name: str, env: dict[str, Val]):
+        if name.startswith(WEIGHT_PREFIX):
+            return name[len(WEIGHT_PREFIX):]  # resolved by the op, which knows the form it needs
+        return (name, env[name])
+
+    def _write_states(self, env: dict[str, Val], position: torch.Tensor) -> None:
+        """Store this chunk's keys and values at ``position`` (the KV cache write)."""
+        slot, p = self.kv.slot(self.graph.layer), position[0]
+        if torch.compiler.is_exporting():  # torch.export wants a bounded int; jit.trace keeps the tensor
+            p = p.item()
+            torch._check(p >= 0)
+            torch._check(p + self.graph.meta["seq"] <= min(shape[2] for shape in self.kv.shapes.values()))
+        for state, new in NEW_KV.items():
+            heads, seq, dim = self.shapes[new]
+            getattr(self, state)[slot:slot + 1, :heads, p:p + seq, :dim] = self.logical(env[new], new)[None]
+
+    # -- helpers the lowerings share ---------------------------------------------------------------
+    def weight(self, name: str, as_conv: bool = False) -> torch.Tensor:
+        return getattr(self, self._weight_attr[(name, as_conv)])
+
+    def logical(self, v: Val, name: str) -> torch.Tensor:
+        return from_ane(v.t, self.shapes[name]) if v.act else v.t
+
+    def as_act(self, arg, like: str | None = None) -> torch.Tensor:
+        """An [S, C] operand (value or 1-D/2-D weight) in ANE layout."""
+        if isinstance(arg, str):  # a weight broadcast along channels
+            return self.weight(arg).reshape(1, -1, 1, 1)
+        name, v = arg
+        return v.t if v.act else to_ane(v.t, self.shapes[name])
+
+    def as_ir(self, arg) -> torch.Tensor:
+        if isinstance(arg, str):
+            return self.weight(arg)
+        name, v = arg
+        return self.logical(v, name)
+
+
+# -- lowerings: (module, op, args, **attrs) → Val ---------------------------------------------------
+def _acts_ok(m: AneGraphModule, args) -> bool:
+    """Can this elementwise op run in ANE layout? Yes when some operand is an activation and
+    every other one an [S, C]-broadcastable 2-D value or a per-channel weight."""
+    values = [a for a in args if not isinstance(a, str)]
+    return any(v.act for _, v in values) and all(len(m.shapes[n]) == 2 for n, _ in values)
+
+
+def _elementwise(fn):
+    def lower(m: AneGraphModule, op: Op, args, **attrs) -> Val:
+        if _acts_ok(m, args):
+            return Val(fn(*[m.as_act(a) for a in args], **attrs), True)
+        return Val(fn(*[m.as_ir(a) for a in args], **attrs), False)
+
+    return lower
+
+
+def _linear(m: AneGraphModule, op: Op, args, **_) -> Val:
+    x, w = args[0], args[1]
+    bias = m.weight(args[2]) if len(args) > 2 else None
+    name, v = x
+    shape = m.shapes[name]
+    if len(shape) == 2:
+        return Val(F.conv2d(m.as_act(x), m.weight(w, as_conv=True), bias), True)
+    rows = 1
+    for d in shape[:-1]:
+        rows *= d
+    flat = (rows, shape[-1])
+    y = F.conv2d(to_ane(m.as_ir(x).reshape(flat), flat), m.weight(w, as_conv=True), bias)
+    return Val(from_ane(y, (rows, m.shapes[op.outputs[0]][-1])).reshape(m.shapes[op.outputs[0]]), False)
+
+
+def _norm_axis(m: AneGraphModule, x) -> tuple[torch.Tensor, int, bool]:
+    act = not isinstance(x, str) and x[1].act
+    return (m.as_act(x), 1, True) if act else (m.as_ir(x), -1, False)
+
+
+def _rmsnorm(m: AneGraphModule, op: Op, args, *, eps) -> Val:
+    x, axis, act = _norm_axis(m, args[0])
+    w = m.as_act(args[1]) if act else m.weight(args[1])
+    return Val(x * torch.rsqrt(x.pow(2).mean(axis, keepdim=True) + eps) * w, act)
+
+
+def _layernorm(m: AneGraphModule, op: Op, args, *, eps) -> Val:
+    x, axis, act = _norm_axis(m, args[0])
+    centred = x - x.mean(axis, keepdim=True)
+    y = centred * torch.rsqrt(centred.pow(2).mean(axis, keepdim=True) + eps)
+    y = y * (m.as_act(args[1]) if act else m.weight(args[1]))
+    if len(args) > 2:
+        y = y + (m.as_act(args[2]) if act else m.weight(args[2]))
+    return Val(y, act)
+
+
+def _rope(m: AneGraphModule, op: Op, args, *, rotary_dim, interleaved) -> Val:
+    x, cos, sin = (m.as_ir(a) for a in args)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    dim = m.shapes[args[0][0]][-1]
+    rot = x[..., :rotary_dim]
+    half = rotary_dim // 2
+    if interleaved:
+        c, s = cos[..., :half], sin[..., :half]
+        even, odd = rot[..., 0::2], rot[..., 1::2]
+        shape = m.shapes[args[0][0]][:-1] + (rotary_dim,)
+        rot = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).reshape(shape)
+    else:
+        rot = rot * cos + torch.cat((-rot[..., half:], rot[..., :half]), dim=-1) * sin
+    return Val(rot if rotary_dim == dim else torch.cat((rot, x[..., rotary_dim:]), dim=-1), False)
+
+
+def _sdpa(m: AneGraphModule, op: Op, args, *, scale) -> Val:
+    q, k, v, mask = (m.as_ir(a) for a in args[:4])
+    (hq, seq, dim), (hkv, length, _), dv = m.shapes[args[0][0]], m.shapes[args[1][0]], m.shapes[args[2][0]][-1]
+    if hq != hkv:  # GQA: repeat each KV head for its query heads (expand + reshape; no gather)
+        k = k.unsqueeze(1).expand(hkv, hq // hkv, length, dim).reshape(hq, length, dim)
+        v = v.unsqueeze(1).expand(hkv, hq // hkv, length, dv).reshape(hq, length, dv)
+    if len(args) == 4:
+        if abs(scale * dim**0.5 - 1.0) > 1e-6:  # Core ML's SDPA scales by 1/√D; fold the rest into q
+            q = q * (scale * dim**0.5)
+        return Val(F.scaled_dot_product_attention(q, k, v, attn_mask=mask), False)
+    sinks = m.as_ir(args[4]).reshape(hq, 1, 1).expand(hq, seq, 1)  # one more logit per head
+    logits = torch.matmul(q, k.transpose(1, 2)) * scale + mask
+    probs = torch.softmax(torch.cat((logits, sinks), dim=-1), dim=-1)[..., :length]
+    return Val(torch.matmul(probs, v), False)
+
+
+def _slice(m: AneGraphModule, op: Op, args, *, axis, start, stop, step) -> Val:
+    name, v = args[0]
+    if v.act and step == 1:
+        return Val(v.t.narrow(3 if axis == 0 else 1, start, stop - start), True)
+    x = m.as_ir(args[0])
+    return Val(x[(slice(None),) * axis + (slice(start, stop, step),)], False)
+
+
+def _concat(m: AneGraphModule, op: Op, args, *, axis) -> Val:
+    if all(v.act for _, v in args):
+        return Val(torch.cat([v.t for _, v in args], dim=3 if axis == 0 else 1), True)
+    return Val(torch.cat([m.as_ir(a) for a in args], dim=axis), False)
+
+
+LOWER = {
+    "linear": _linear,
+    "rmsnorm": _rmsnorm,
+    "layernorm": _layernorm,
+    "rope": _rope,
+    "sdpa": _sdpa,
+    "silu": _elementwise(F.silu),
+    "gelu": _elementwise(lambda x, *, approximate: F.gelu(x, approximate=approximate)),
+    "relu": _elementwise(F.relu),
+    "sigmoid": _elementwise(torch.sigmoid),
+    "add": _elementwise(torch.add),
+    "mul": _elementwise(torch.mul),
+    "affine": _elementwise(lambda x, *, scale, shift: x * scale + shift),
+    "clamp": _elementwise(lambda x, *, min, max: torch.clamp(x, min=min, max=max)),
+    "reshape": lambda m, op, args, *, shape: Val(m.as_ir(args[0]).reshape(shape), False),
+    "transpose": lambda m, op, args, *, perm: Val(m.as_ir(args[0]).permute(perm), False),
+    "slice": _slice,
+    "concat": _concat,
+}

@@ -4,9 +4,16 @@
     eng = npumoe.Engine(m)          # plan=..., backend="htp"|"ane", artifacts=...
     eng.forward(ids)                # -> np.ndarray[T, vocab] fp32 logits
     eng.generate(ids, max_new_tokens=16)  # -> np.ndarray of the new ids only
+
+    profile = npumoe.calibrate(m, texts, chunk=256)       # how the experts are really used
+    p = npumoe.plan(m, profile, target="htp", overflow="spill")
+    npumoe.Engine(m, plan=p)                               # static groups, same logits
+    profile.save(path); npumoe.RoutingProfile.load(path); p.save(path); npumoe.Plan.load(path)
 """
 
+from npumoe.core.calibrate import RoutingProfile, calibrate
+from npumoe.core.plan import Plan, plan
 from npumoe.core.runtime.engine import Engine
 from npumoe.models.loader import Model, load
 
-__all__ = ["Engine", "Model", "load"]
+__all__ = ["Engine", "Model", "Plan", "RoutingProfile", "calibrate", "load", "plan"]

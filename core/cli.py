@@ -9,7 +9,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from npumoe.core.calibrate import LoadRecorder, imbalance
+from npumoe.core.calibrate import LoadRecorder
 from npumoe.core.runtime.engine import DEFAULT_CHUNK, Engine
 from npumoe.errors import InputError
 from npumoe.models.loader import DEMO_DIR, load
@@ -73,42 +73,90 @@ def generate_command(model_dir, prompt, ids, max_new_tokens, chunk, max_context,
 
 
 def routing_table(spec, recorder: LoadRecorder) -> Table:
-    table = Table("layer", "tokens per expert", "r = max/mean", "hottest")
+    """Per MoE layer, every routed token-slot of the run (prefill and decode) per expert."""
+    table = Table("layer", "token-slots per expert", "max/mean", "hottest")
     for layer in spec.moe_layers:
-        loads = recorder.matrix(layer)
-        total = loads.sum(axis=0)
+        total = recorder.matrix(layer).sum(axis=0)
         hottest = ", ".join(f"e{e}" for e in np.argsort(-total)[:3])
-        table.add_row(str(layer), " ".join(f"{int(c):3d}" for c in total), f"{imbalance(loads):.2f}", hottest)
+        table.add_row(str(layer), " ".join(f"{int(c):3d}" for c in total), f"{total.max() / total.mean():.2f}", hottest)
+    return table
+
+
+def plan_table(model, profile, targets=("cpu", "htp", "ane")) -> Table:
+    """One plan per target from the same profile: tiers, groups and what the planner predicts."""
+    from npumoe.core.plan import plan
+
+    table = Table("target", "capacity tiers (first MoE layer)", "groups", "on NPU", "padded %", "overflow %",
+                  title=f"plans from one routing profile (chunk {profile.chunk}, overflow spill, residency auto)")
+    for target in targets:
+        p = plan(model, profile, target=target)
+        first = p.layers[min(p.layers)]
+        groups = [g for lp in p.layers.values() for g in lp.groups]
+        table.add_row(target, str(first.tiers), str(len(groups)), str(sum(g.residency == "npu" for g in groups)),
+                      f"{p.predicted['padded_pct']:.1f}", f"{p.predicted['overflow_pct']:.1f}")
     return table
 
 
 @click.command("demo")
 @click.option("--prompt", default=DEMO_PROMPT, show_default=True, help="Text for the demo model to continue.")
 @click.option("--max-new-tokens", "-n", default=48, show_default=True, type=click.IntRange(1))
-def demo_command(prompt, max_new_tokens):
-    """The main job on the embedded demo model: load it, generate, and show how it routes."""
+@click.option("--calibration-texts", default=12, show_default=True, type=click.IntRange(1),
+              help="Documents of the demo corpus's training split to calibrate on (first 2 KB of each).")
+def demo_command(prompt, max_new_tokens, calibration_texts):
+    """The main job on the embedded demo model: generate, calibrate, plan for every target, and
+    check that the planned static-shape runtime gives the reference engine's results.
+
+    \b
+    Steps:
+      1. generate from --prompt on the fp32 reference path, with per-layer routing counts;
+      2. calibrate expert loads on training-split text in 64-token prefill chunks;
+      3. plan capacity tiers, expert groups and residency for cpu, htp and ane;
+      4. prefill held-out text with every expert group forced onto static NPU-shaped buffers
+         (the htp plan, overflow spilled to the CPU path) and compare logits and generated
+         tokens with the reference.
+    """
+    from npumoe.core.calibrate import calibrate
+    from npumoe.core.plan import plan
+    from npumoe.models.demo import corpus
+
     console = Console()
     model = load()
     if not prompt:
         raise InputError("the prompt is empty; pass --prompt TEXT.")
     spec = model.spec
-    console.print(
-        f"[bold]npumoe demo[/bold]: {spec.family} byte-level LM, {spec.num_layers} layers, "
-        f"{spec.layers[spec.moe_layers[0]].ffn.num_experts} experts top-{spec.layers[spec.moe_layers[0]].ffn.top_k}"
-    )
+    moe = spec.layers[spec.moe_layers[0]].ffn
+    console.print(f"[bold]npumoe demo[/bold]: {spec.family} byte-level LM, {spec.num_layers} layers, "
+                  f"{moe.num_experts} experts top-{moe.top_k}")
     recorder = LoadRecorder(spec)
-    eng = Engine(model, on_route=recorder)
-    tokens = model.tokenizer.encode(prompt)
+    reference = Engine(model, on_route=recorder)
+    tokens = np.asarray(model.tokenizer.encode(prompt))
     start = time.perf_counter()
-    new = eng.generate(np.asarray(tokens), max_new_tokens=max_new_tokens)
+    new = reference.generate(tokens, max_new_tokens=max_new_tokens)
     seconds = time.perf_counter() - start
     console.print("[dim]prompt:[/dim] " + repr(prompt))
     console.print("[dim]output:[/dim] " + repr(model.tokenizer.decode(new)))
     console.print(f"{len(tokens)} prompt + {len(new)} new tokens in {seconds:.2f} s on the CPU reference path")
     console.print(routing_table(spec, recorder))
-    m = eng.metrics
+
+    texts = [t[:2048] for t in corpus.calibration_texts(calibration_texts)]
+    profile = calibrate(model, texts, chunk=64, window=512, progress=True)
+    console.print(plan_table(model, profile))
+
+    forced = plan(model, profile, target="htp", residency="npu")
+    planned = Engine(model, plan=forced)
+    held = np.asarray(model.tokenizer.encode(corpus.heldout_texts(1)[0])[:256])
+    gap = float(np.abs(planned.forward(held) - Engine(model).forward(held)).max())
+    m = planned.metrics
+    npu = m["routed"] - m["spilled"] - m["dropped"]
     console.print(
-        f"routed {m['routed']} token-slots, graph launches {m['cpu_launches'] + m['npu_launches']}; "
-        f"host time: router {m['seconds'].get('router', 0) * 1e3:.1f} ms, "
-        f"gather {m['seconds'].get('gather', 0) * 1e3:.1f} ms, scatter {m['seconds'].get('scatter', 0) * 1e3:.1f} ms"
+        f"htp plan, all {sum(len(lp.groups) for lp in forced.layers.values())} groups on static NPU buffers, "
+        f"{len(held)} held-out tokens: {npu}/{m['routed']} routed token-slots on the NPU graphs, "
+        f"{m['spilled']} spilled to the CPU path, {m['dropped']} dropped, "
+        f"{100 * m['padded'] / max(npu + m['padded'], 1):.1f} % of NPU slots padding; "
+        f"max |Δlogit| vs reference {gap:.1e}"
     )
+    same = np.array_equal(planned.generate(tokens, max_new_tokens=max_new_tokens), new)
+    console.print("generated tokens under the plan: " + ("[green]identical to the reference[/green]" if same
+                                                         else "[red]differ from the reference[/red]"))
+    if not same or gap > 1e-4:
+        raise SystemExit(1)

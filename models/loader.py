@@ -21,6 +21,7 @@ from npumoe.models.tokenizer import load_tokenizer
 
 DEMO_DIR = Path(__file__).parent / "demo"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+QUANTIZED = "npumoe_quantization"  # config.json section of npumoe.luts.checkpoint
 
 
 @dataclass
@@ -96,5 +97,11 @@ def load(path: str | Path | None = None) -> Model:
     adapter = adapter_for(cfg.get("model_type"))
     refuse_quantized(cfg)
     spec = adapter.spec(cfg)
-    weights = Weights(read_tensors(path, adapter), spec, source=str(path))
+    if QUANTIZED in cfg:  # npumoe's own low-bit checkpoint (npumoe quantize)
+        from npumoe.luts.checkpoint import QuantizedWeights, read
+
+        tensors, packed = read(path, cfg)
+        weights = QuantizedWeights(tensors, spec, packed, source=str(path))
+    else:
+        weights = Weights(read_tensors(path, adapter), spec, source=str(path))
     return Model(spec=spec, weights=weights, config=cfg, path=path, tokenizer=load_tokenizer(path))

@@ -40,12 +40,14 @@ COMMANDS = {
     "plan": "npumoe.core.plan_cli:plan_command",
     "build": "npumoe.core.build_cli:build_command",
     "lint": "npumoe.backends.apple_ane.lint:lint_command",
+    "quantize": "npumoe.luts.quantize:quantize_command",
     "bench": "npumoe.cli:bench",
 }
 
 BENCHMARKS = {
     "runtime": "npumoe.core.bench:bench_runtime_command",
     "lut": "npumoe.luts.bench:bench_lut_command",
+    "hvx": "npumoe.luts.hvx.bench:bench_hvx_command",
 }
 
 

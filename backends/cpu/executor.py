@@ -51,12 +51,19 @@ def _sdpa(q, k, v, mask, sinks=None, *, scale):
     return torch.matmul(probs, v)
 
 
+def _lut_linear(x, w, b=None):
+    """``w`` is a packed matrix (:class:`npumoe.luts.torch_op.LutLinear`): ``npumoe::lut_linear``."""
+    y = w(x)
+    return y if b is None else y + b
+
+
 def _slice(x, *, axis, start, stop, step):
     return x.narrow(axis, start, stop - start) if step == 1 else x[(slice(None),) * axis + (slice(start, stop, step),)]
 
 
 OP_IMPLS: dict[str, Callable] = {
     "linear": lambda x, w, b=None: F.linear(x, w, b),
+    "lut_linear": _lut_linear,
     "rmsnorm": _rmsnorm,
     "layernorm": _layernorm,
     "rope": _rope,
@@ -77,7 +84,7 @@ OP_IMPLS: dict[str, Callable] = {
 
 
 def register_op(name: str, impl: Callable) -> None:
-    """Add an op implementation (``lut_linear`` arrives with ``npumoe.luts``)."""
+    """Add an op implementation."""
     OP_IMPLS[name] = impl
 
 
@@ -90,11 +97,16 @@ class TorchGraphExecutor:
 
     @staticmethod
     def _bind(op: Op, weights):
-        if op.op not in OP_IMPLS:
+        # a linear whose matrix the weights also hold packed (npumoe.luts.checkpoint) runs as lut_linear
+        packed = getattr(weights, "packed", {})
+        refs = [n[len(WEIGHT_PREFIX):] if n.startswith(WEIGHT_PREFIX) else None for n in op.inputs]
+        kind = "lut_linear" if op.op == "linear" and refs[1] in packed else op.op
+        if kind not in OP_IMPLS:
             raise NotImplementedError(f"the CPU executor has no implementation of IR op {op.op!r}")
-        impl, attrs = OP_IMPLS[op.op], op.a
-        args = [weights[n[len(WEIGHT_PREFIX):]] if n.startswith(WEIGHT_PREFIX) else n for n in op.inputs]
-        return impl, args, attrs, op.outputs
+        args = [n if ref is None else weights[ref] for n, ref in zip(op.inputs, refs)]
+        if kind == "lut_linear":
+            args[1] = packed[refs[1]]
+        return OP_IMPLS[kind], args, op.a, op.outputs
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         env = dict(inputs)

@@ -1,0 +1,120 @@
+"""Compile the C kernels on first use and cache the shared library per instruction set.
+
+A fresh ``pip install`` ships only the sources (``csrc/``); the first call compiles them
+with the system C compiler (``$CC``, else cc, gcc or clang) into the user cache
+(``$NPUMOE_CACHE_DIR``, else ``$XDG_CACHE_HOME/npumoe``, else ``~/.cache/npumoe``). The
+file name carries a hash of the sources, flags and compiler version, so an upgrade or a
+different compiler builds afresh, and the library is written under a temporary name and
+renamed, so concurrent first uses never load a half-written file.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from npumoe.errors import BackendUnavailableError
+
+CSRC = Path(__file__).parent / "csrc"
+COMMON_SOURCES = ("api.c", "pool.c", "portable.c")
+# -ffp-contract=off: tables must be built with exactly the spec's fp32 operations (no fused multiply-add).
+COMMON_FLAGS = ("-O3", "-std=c11", "-pthread", "-ffp-contract=off", "-fvisibility=hidden", "-Wall")
+ISAS = {
+    "portable": ((), ()),
+    "avx2": (("avx2.c",), ("-mavx2", "-mfma", "-mf16c")),
+    "avx512": (("avx512.c",), ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                               "-mavx512vbmi", "-mavx512vnni")),
+    "neon": (("neon.c",), ()),  # NEON is part of the AArch64 baseline
+}
+CROSS_COMPILERS = {"aarch64": "aarch64-linux-gnu-gcc"}
+
+
+def cache_dir() -> Path:
+    if os.environ.get("NPUMOE_CACHE_DIR"):
+        root = Path(os.environ["NPUMOE_CACHE_DIR"])
+    else:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "npumoe"
+    path = root / "luts"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    except OSError:  # a read-only home: fall back to a private temp dir
+        path = Path(tempfile.gettempdir()) / f"npumoe-{os.getuid() if hasattr(os, 'getuid') else 'user'}" / "luts"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+
+@functools.cache
+def compiler() -> tuple[str, ...]:
+    if os.environ.get("CC"):
+        return tuple(shlex.split(os.environ["CC"]))
+    for name in ("cc", "gcc", "clang"):
+        if shutil.which(name):
+            return (name,)
+    raise BackendUnavailableError("no C compiler found for the LUT kernels; install gcc or clang (Debian: "
+                                  "apt-get install gcc) or set CC.")
+
+
+@functools.cache
+def _compiler_version(cc: tuple[str, ...]) -> str:
+    try:
+        return subprocess.run([*cc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as err:
+        raise BackendUnavailableError(f"the C compiler {' '.join(cc)!r} does not run ({err}); install gcc or "
+                                      "clang, or point CC at a working compiler.") from err
+
+
+def _sources(isa: str, extra: tuple[str, ...] = ()) -> list[Path]:
+    return [CSRC / name for name in (*COMMON_SOURCES, *ISAS[isa][0], *extra)]
+
+
+def _key(cc, sources, flags) -> str:
+    h = hashlib.sha256(_compiler_version(cc).encode())
+    h.update(" ".join(flags).encode())
+    for path in sorted({*sources, *CSRC.glob("*.h")}):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _compile(cc, sources, flags, out: Path) -> Path:
+    if out.exists():
+        return out
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".tmp")
+    os.close(fd)
+    cmd = [*cc, *flags, *map(str, sources), "-o", tmp, "-lm"]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode:
+            raise BackendUnavailableError(f"compiling the LUT kernels failed ({' '.join(cmd)}):\n{result.stderr.strip()}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def library(isa: str) -> Path:
+    """The cached shared library for ``isa``, compiled now if needed."""
+    cc = compiler()
+    flags = (*COMMON_FLAGS, "-fPIC", "-shared", f"-DNPUMOE_ISA_{isa.upper()}", *ISAS[isa][1])
+    sources = _sources(isa)
+    suffix = ".dll" if platform.system() == "Windows" else ".so"
+    return _compile(cc, sources, flags, cache_dir() / f"lut-{isa}-{_key(cc, sources, flags)}{suffix}")
+
+
+def emulated_driver(arch: str, isa: str) -> Path:
+    """A static executable of ``csrc/driver.c`` for another architecture (run it under qemu-user)."""
+    cc = (CROSS_COMPILERS[arch],)
+    if not shutil.which(cc[0]):
+        raise BackendUnavailableError(f"{cc[0]} is not installed; apt-get install gcc-{arch}-linux-gnu.")
+    flags = (*COMMON_FLAGS, "-static", f"-DNPUMOE_ISA_{isa.upper()}", *ISAS[isa][1])
+    sources = _sources(isa, ("driver.c",))
+    return _compile(cc, sources, flags, cache_dir() / f"driver-{arch}-{isa}-{_key(cc, sources, flags)}")

@@ -1,0 +1,110 @@
+"""Quantised checkpoints: a model directory whose routed-expert matrices are stored packed.
+
+What ``npumoe quantize`` writes and ``npumoe.load`` reads:
+
+    config.json        the source's, plus ``"npumoe_quantization": {format, version, bits, group,
+                       symmetric, weights}``. npumoe's own key: ``quantization_config`` names
+                       foreign formats (GPTQ, AWQ, FP8), which the loader refuses.
+    model.safetensors  every tensor under its canonical name (:mod:`npumoe.core.weights`), not
+                       the Hugging Face one, so no adapter has to map it back. A quantised matrix
+                       NAME is stored as ``NAME.planes`` / ``NAME.scales`` / ``NAME.zeros``
+                       (:class:`npumoe.luts.spec.Packed`'s arrays) and described in the header
+                       metadata ``"npumoe.luts"``: {NAME: {bits, group, symmetric, shape, checksum}};
+                       the checksum is checked on load, so a corrupted plane is an error, not noise.
+                       Other tensors keep their stored dtype.
+    anything else      (tokenizer files, generation config) copied as is.
+
+On load every packed matrix is also dequantised to fp32 (:class:`QuantizedWeights`): the
+other backends lower those, the CPU executor runs the packed form through ``npumoe::lut_linear``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from npumoe.core.spec import ModelSpec, MoESpec
+from npumoe.core.weights import Weights, expert
+from npumoe.errors import WeightError
+from npumoe.luts import spec
+from npumoe.luts.torch_op import LutLinear
+from npumoe.models.loader import QUANTIZED as SECTION
+
+FORMAT, VERSION = "npumoe-luts", 1
+WEIGHTS_FILE = "model.safetensors"
+METADATA_KEY = "npumoe.luts"
+PARTS = ("planes", "scales", "zeros")
+
+
+def quantized_names(model_spec: ModelSpec) -> list[str]:
+    """The matrices a checkpoint stores packed: every routed expert's gate, up and down."""
+    return [f"{expert(i, e)}.{proj}.weight"
+            for i, layer in enumerate(model_spec.layers) if isinstance(layer.ffn, MoESpec)
+            for e in range(layer.ffn.num_experts) for proj in ("gate", "up", "down")]
+
+
+def section(bits: int, group: int, symmetric: bool) -> dict:
+    return {"format": FORMAT, "version": VERSION, "bits": bits, "group": group, "symmetric": symmetric,
+            "weights": "routed experts"}
+
+
+def to_safetensors(tensors: dict[str, torch.Tensor], packed: dict[str, spec.Packed]) -> tuple[dict, dict]:
+    """(tensors, header metadata) for safetensors.torch.save: plain tensors plus each packed one's parts."""
+    out = {name: t.contiguous() for name, t in tensors.items()}
+    for name, p in packed.items():
+        out |= {f"{name}.{part}": torch.from_numpy(getattr(p, part)) for part in PARTS}
+    meta = {name: asdict(p.meta) for name, p in packed.items()}
+    return out, {METADATA_KEY: json.dumps(meta, sort_keys=True)}
+
+
+def read(path: Path, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, spec.Packed]]:
+    """(plain tensors with every packed matrix dequantised to fp32, packed matrices) of a checkpoint."""
+    info = cfg[SECTION]
+    if not isinstance(info, dict) or info.get("format") != FORMAT or info.get("version") != VERSION:
+        raise WeightError(f"{path}/config.json has an {SECTION} section npumoe {VERSION} cannot read ({info!r}); "
+                          "re-quantise the original model with this version of npumoe quantize.")
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        raise WeightError(f"{path} is an npumoe-quantised checkpoint without its {WEIGHTS_FILE}; re-run npumoe quantize.")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            stored = {key: f.get_tensor(key) for key in f.keys()}
+            meta = json.loads((f.metadata() or {}).get(METADATA_KEY, "null"))
+    except (SafetensorError, json.JSONDecodeError) as err:
+        raise WeightError(f"{file} is not a readable npumoe-quantised safetensors file ({err}); re-run npumoe "
+                          "quantize.") from err
+    if not isinstance(meta, dict):
+        raise WeightError(f"{file} lacks its {METADATA_KEY!r} metadata, so its packed tensors cannot be checked; "
+                          "re-run npumoe quantize.")
+    packed = {name: _packed(name, m, stored, file) for name, m in meta.items()}
+    tensors = {name: torch.from_numpy(spec.dequantize(p)) for name, p in packed.items()}
+    return stored | tensors, packed
+
+
+def _packed(name: str, meta: dict, stored: dict, file: Path) -> spec.Packed:
+    try:
+        m = spec.PackedMeta(meta["bits"], meta["group"], meta["symmetric"], tuple(meta["shape"]), meta["checksum"])
+        arrays = [stored.pop(f"{name}.{part}").numpy() for part in PARTS]
+    except (KeyError, TypeError) as err:
+        raise WeightError(f"{file} describes a packed {name!r} but lacks its {err} entry; re-run npumoe "
+                          "quantize.") from err
+    packed = spec.Packed(m, *arrays)
+    spec.verify(packed)
+    return packed
+
+
+class QuantizedWeights(Weights):
+    """Weights some of whose matrices are also held packed.
+
+    ``self[name]`` is the fp32 dequantised matrix; ``packed[name]`` the :class:`LutLinear`
+    the CPU executor runs instead of an fp32 ``linear``.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], model_spec: ModelSpec, packed: dict[str, spec.Packed],
+                 source: str = ""):
+        super().__init__(tensors, model_spec, source)
+        self.packed = {name: LutLinear(p) for name, p in packed.items()}

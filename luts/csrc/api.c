@@ -1,0 +1,178 @@
+/* The exported entry points (loaded with ctypes by luts/kernels.py) and the choice of
+ * kernels for the instruction set this library was compiled for.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "lut.h"
+#include "isa.h"
+
+typedef struct {
+    const char *name;
+    void (*tables8)(const float *, int, int, int, void *, float *, int32_t *);
+    void (*gemv8)(const lut_weight *, const lut_tables *, int, int, float *, int32_t *);
+    void (*dequant_tile)(const lut_weight *, int, int, float *, int);
+    void (*gemm)(const lut_weight *, const float *, int, int, int, int, float *, int);
+    int gemm_mr; /* the GEMM pads the activation rows to a multiple of this */
+} lut_isa;
+
+static const lut_isa ISA =
+#if defined(NPUMOE_ISA_AVX512)
+    {"avx512", tables_avx512, gemv_avx512, dequant_tile_avx512, gemm_avx512, AVX512_MR};
+#elif defined(NPUMOE_ISA_AVX2)
+    {"avx2", tables_avx2, gemv_avx2, dequant_tile_avx2, gemm_avx2, AVX2_MR};
+#elif defined(NPUMOE_ISA_NEON)
+    {"neon", tables_neon, gemv_neon, dequant_tile_neon, gemm_neon, NEON_MR};
+#else
+    {"portable", tables_portable, gemv_portable, dequant_tile_portable, gemm_portable, 1};
+#endif
+
+NPUMOE_API const char *npumoe_lut_isa(void) { return ISA.name; }
+
+/* Bit 0: AVX2+FMA+F16C; bit 1: AVX-512 F/BW/VL/DQ + VBMI + VNNI; bit 2: NEON. */
+NPUMOE_API unsigned npumoe_cpu_features(void) {
+    unsigned f = 0;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) f |= 1;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vbmi") &&
+        __builtin_cpu_supports("avx512vnni"))
+        f |= 2;
+#elif defined(__aarch64__)
+    f |= 4;
+#endif
+    return f;
+}
+
+static lut_weight weight(const uint8_t *tiles, const uint16_t *scales, const uint8_t *zeros, int row_blocks, int k,
+                         int bits, int group) {
+    lut_weight w = {tiles, scales, zeros, row_blocks, k, bits, group};
+    return w;
+}
+
+NPUMOE_API void npumoe_lut_tables(const float *x, int k, int group, int table_bits, void *tq, float *t_scales,
+                                  int32_t *xq) {
+    (table_bits == 8 ? ISA.tables8 : tables_portable)(x, k, group, table_bits, tq, t_scales, xq);
+}
+
+typedef struct {
+    const lut_weight *w;
+    const lut_tables *t;
+    float *y;
+    int32_t *acc;
+} gemv_job;
+
+static void gemv_range(void *ctx, int rb0, int rb1) {
+    gemv_job *job = ctx;
+    (job->t->table_bits == 8 ? ISA.gemv8 : gemv_portable)(job->w, job->t, rb0, rb1, job->y, job->acc);
+}
+
+/* y [m][row_blocks*16] = x [m][k] · Wᵀ; acc (optional) [m][row_blocks*16][G] gets the int32 accumulators. */
+NPUMOE_API int npumoe_lut_gemv(const float *x, int m, const uint8_t *tiles, const uint16_t *scales,
+                               const uint8_t *zeros, int row_blocks, int k, int bits, int group, int table_bits,
+                               float *y, int32_t *acc, int threads) {
+    lut_weight w = weight(tiles, scales, zeros, row_blocks, k, bits, group);
+    const int groups = k / group;
+    void *tq = malloc((size_t)k * 4 * (table_bits / 8));
+    float *t_scales = malloc(sizeof(float) * groups);
+    int32_t *xq = malloc(sizeof(int32_t) * groups);
+    if (!tq || !t_scales || !xq) {
+        free(tq), free(t_scales), free(xq);
+        return -1;
+    }
+    lut_tables t = {tq, t_scales, xq, table_bits};
+    const size_t rows = (size_t)row_blocks * LUT_ROWS;
+    for (int i = 0; i < m; i++) {
+        npumoe_lut_tables(x + (size_t)i * k, k, group, table_bits, tq, t_scales, xq);
+        gemv_job job = {&w, &t, y + i * rows, acc ? acc + i * rows * groups : NULL};
+        lut_parallel(gemv_range, &job, row_blocks, threads);
+    }
+    free(tq), free(t_scales), free(xq);
+    return 0;
+}
+
+typedef struct {
+    const lut_weight *w;
+    float *out;
+} dequant_job;
+
+static void dequant_range(void *ctx, int rb0, int rb1) {
+    dequant_job *job = ctx;
+    const lut_weight *w = job->w;
+    float panel[LUT_TILE_K * LUT_ROWS];
+    for (int rb = rb0; rb < rb1; rb++)
+        for (int kt = 0; kt < lut_k_tiles(w); kt++) {
+            ISA.dequant_tile(w, rb, kt, panel, LUT_ROWS);
+            for (int r = 0; r < LUT_ROWS; r++)
+                for (int kk = 0; kk < LUT_TILE_K; kk++)
+                    job->out[((size_t)rb * LUT_ROWS + r) * w->k + kt * LUT_TILE_K + kk] = panel[kk * LUT_ROWS + r];
+        }
+}
+
+/* out [row_blocks*16][k] fp32: the two-level LUT dequantisation, bit-identical to the spec. */
+NPUMOE_API void npumoe_lut_dequant(const uint8_t *tiles, const uint16_t *scales, const uint8_t *zeros,
+                                   int row_blocks, int k, int bits, int group, float *out, int threads) {
+    lut_weight w = weight(tiles, scales, zeros, row_blocks, k, bits, group);
+    dequant_job job = {&w, out};
+    lut_parallel(dequant_range, &job, row_blocks, threads);
+}
+
+typedef struct {
+    const lut_weight *w;
+    const float *xt;
+    int m_pad, m, ldy;
+    float *y;
+} gemm_job;
+
+static void gemm_range(void *ctx, int rb0, int rb1) {
+    gemm_job *job = ctx;
+    ISA.gemm(job->w, job->xt, job->m_pad, job->m, rb0, rb1, job->y, job->ldy);
+}
+
+/* y [m][row_blocks*16] = x [m][k] · Wᵀ with W dequantised tile by tile into registers/L1 (prefill). */
+NPUMOE_API int npumoe_lut_gemm(const float *x, int m, const uint8_t *tiles, const uint16_t *scales,
+                               const uint8_t *zeros, int row_blocks, int k, int bits, int group, float *y,
+                               int threads) {
+    lut_weight w = weight(tiles, scales, zeros, row_blocks, k, bits, group);
+    const int m_pad = (m + ISA.gemm_mr - 1) / ISA.gemm_mr * ISA.gemm_mr;
+    float *xt = calloc((size_t)k * m_pad, sizeof(float)); /* xᵀ, so a microkernel's rows are adjacent */
+    if (!xt) return -1;
+    for (int i = 0; i < m; i++)
+        for (int kk = 0; kk < k; kk++) xt[(size_t)kk * m_pad + i] = x[(size_t)i * k + kk];
+    gemm_job job = {&w, xt, m_pad, m, row_blocks * LUT_ROWS, y};
+    lut_parallel(gemm_range, &job, row_blocks, threads);
+    free(xt);
+    return 0;
+}
+
+typedef struct {
+    const uint64_t *words;
+    size_t count;
+    uint64_t sums[LUT_MAX_THREADS];
+} stream_job;
+
+static void stream_range(void *ctx, int part0, int part1) {
+    stream_job *job = ctx;
+    for (int part = part0; part < part1; part++) {
+        size_t begin = job->count * part / LUT_MAX_THREADS, end = job->count * (part + 1) / LUT_MAX_THREADS;
+        uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+        size_t i = begin;
+        for (; i + 8 <= end; i += 8) {
+            __builtin_prefetch(job->words + i + LUT_PREFETCH / sizeof(uint64_t)); /* as strong as the kernels */
+            s0 ^= job->words[i] ^ job->words[i + 4], s1 ^= job->words[i + 1] ^ job->words[i + 5];
+            s2 ^= job->words[i + 2] ^ job->words[i + 6], s3 ^= job->words[i + 3] ^ job->words[i + 7];
+        }
+        for (; i < end; i++) s0 ^= job->words[i];
+        job->sums[part] = s0 ^ s1 ^ s2 ^ s3;
+    }
+}
+
+/* Read `bytes` once with `threads` threads: the machine's streaming-read bandwidth probe. */
+NPUMOE_API uint64_t npumoe_stream_read(const void *buf, size_t bytes, int threads) {
+    stream_job job = {buf, bytes / sizeof(uint64_t), {0}};
+    lut_parallel(stream_range, &job, LUT_MAX_THREADS, threads);
+    uint64_t s = 0;
+    for (int i = 0; i < LUT_MAX_THREADS; i++) s ^= job.sums[i];
+    return s;
+}

@@ -1,0 +1,23 @@
+/* The fast kernels each instruction set provides: same contracts as the *_portable ones in
+ * lut.h (tables and GEMV for 8-bit tables; 16-bit tables always use the portable path).
+ */
+#ifndef NPUMOE_ISA_H
+#define NPUMOE_ISA_H
+
+#include "lut.h"
+
+#define ISA_KERNELS(isa)                                                                                     \
+    void tables_##isa(const float *x, int k, int group, int table_bits, void *tq, float *t_scales, int32_t *xq); \
+    void gemv_##isa(const lut_weight *w, const lut_tables *t, int rb0, int rb1, float *y, int32_t *acc);       \
+    void dequant_tile_##isa(const lut_weight *w, int rb, int kt, float *panel, int ld);                               \
+    void gemm_##isa(const lut_weight *w, const float *xt, int m_pad, int m, int rb0, int rb1, float *y, int ldy);
+
+#define AVX512_MR 8 /* GEMM microkernel: 8 activation rows × 32 output rows */
+#define AVX2_MR 6   /* 6 × 16 */
+#define NEON_MR 4   /* 4 × 16 */
+
+ISA_KERNELS(avx512)
+ISA_KERNELS(avx2)
+ISA_KERNELS(neon)
+
+#endif

@@ -1,0 +1,72 @@
+/* LUT-GEMV and LUT-dequant GEMM over npumoe's tiled bit-serial weights.
+ *
+ * The arithmetic is defined by luts/spec.py and the tile arrangement by luts/layout.py;
+ * this header only names the pieces. One shared library is built per instruction set
+ * (NPUMOE_ISA_PORTABLE / _AVX2 / _AVX512 / _NEON); each holds the portable reference
+ * kernels plus, when not portable, that ISA's fast versions of the same functions.
+ */
+#ifndef NPUMOE_LUT_H
+#define NPUMOE_LUT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define LUT_ROWS 16       /* output rows per tile: one 32-bit lane each */
+#define LUT_TILE_K 32     /* inputs per tile */
+#define LUT_TILE_BYTES 64
+#define LUT_MAX_THREADS 64
+/* Bytes ahead that streaming loops prefetch every cache line: hardware prefetchers stop at
+ * 4 KB pages, and a compute-heavy loop keeps too few misses in flight on its own. */
+#define LUT_PREFETCH 8192
+
+#if defined(_WIN32)
+#define NPUMOE_API __declspec(dllexport)
+#else
+#define NPUMOE_API __attribute__((visibility("default")))
+#endif
+
+typedef struct {
+    const uint8_t *tiles;   /* [NB][K/32][bits][64] */
+    const uint16_t *scales; /* [NB][G][16] float16 bits */
+    const uint8_t *zeros;   /* [NB][G][16], or NULL: symmetric, z = 2^(bits-1) */
+    int row_blocks, k, bits, group;
+} lut_weight;
+
+typedef struct {
+    const void *tq;         /* [K/4][16] int8 or int16 */
+    const float *t_scales;  /* [G] */
+    const int32_t *xq;      /* [G]: sum of entry 15 over the group */
+    int table_bits;         /* 8 or 16 */
+} lut_tables;
+
+static inline int lut_groups(const lut_weight *w) { return w->k / w->group; }
+static inline int lut_k_tiles(const lut_weight *w) { return w->k / LUT_TILE_K; }
+static inline const uint8_t *lut_tile(const lut_weight *w, int rb, int kt) {
+    return w->tiles + ((size_t)rb * lut_k_tiles(w) + kt) * w->bits * LUT_TILE_BYTES;
+}
+static inline size_t lut_block_param(const lut_weight *w, int rb, int g) {
+    return ((size_t)rb * lut_groups(w) + g) * LUT_ROWS;
+}
+static inline int lut_zero(const lut_weight *w, size_t at) {
+    return w->zeros ? w->zeros[at] : 1 << (w->bits - 1);
+}
+/* 2^b - 1 - 2z, the coefficient of Xq in the epilogue. */
+static inline int lut_zero_term(const lut_weight *w, size_t at) {
+    return (1 << w->bits) - 1 - 2 * lut_zero(w, at);
+}
+
+float lut_half_to_float(uint16_t h);
+extern const uint32_t lut_repack[8][16]; /* level-1 dequant table: bit j of idx -> bit i of byte j */
+extern const uint8_t lut_repack_bytes[8][4][16]; /* byte j of lut_repack[i][idx], for byte shuffles */
+
+/* One implementation of each step; an ISA file provides the subset it speeds up. */
+void tables_portable(const float *x, int k, int group, int table_bits, void *tq, float *t_scales, int32_t *xq);
+void gemv_portable(const lut_weight *w, const lut_tables *t, int rb0, int rb1, float *y, int32_t *acc);
+void dequant_tile_portable(const lut_weight *w, int rb, int kt, float *panel, int ld); /* panel [32][ld] */
+void gemm_portable(const lut_weight *w, const float *xt, int m_pad, int m, int rb0, int rb1, float *y, int ldy);
+
+/* Thread pool: fn(ctx, begin, end) over contiguous chunks covering [0, units). */
+typedef void (*lut_range_fn)(void *ctx, int begin, int end);
+void lut_parallel(lut_range_fn fn, void *ctx, int units, int threads);
+
+#endif

@@ -1,0 +1,204 @@
+/* The SIMD kernels, written once over a small vector vocabulary. avx512.c, avx2.c and
+ * neon.c each define the vocabulary below and then include this file; it yields
+ * tables_<isa>, gemv_<isa>, dequant_tile_<isa> and gemm_<isa> with the contracts of the
+ * *_portable functions (lut.h), bit for bit.
+ *
+ * Vocabulary (W = 32-bit lanes per vector = tile rows per vector):
+ *   ISA(name)                     name##_<isa>
+ *   vf, vi                        float and integer vectors
+ *   f_zero f_set1 f_load f_store f_add f_sub f_mul f_fmadd(a,b,c)=a·b+c f_max f_abs f_xor
+ *   f_reduce_max f_from_i         (int32 → float) f_half(p) (W float16 → float)
+ *   i_zero i_load(p) i_u8(p)      (W bytes → int32) i_add i_sub i_set1 i_slli
+ *   i_table16(p)                  a 16-byte table in every 128-bit lane
+ *   i_lookup16(table, idx)        per-byte lookup, idx < 16
+ *   i_nibble(v, h)                nibble h (0 low, 1 high) of every byte
+ *   i_byte(v, p)                  byte p of every 32-bit lane, zero-extended
+ *   store_run(dst, t[16/W], inv)  16 table entries · inv, rounded half-even, as int8
+ *   kt_tables load_tables(tq, kt) and tile_dot(a[RV][4], tile, &tables, i): the GEMV core,
+ *     adding 2^i · (row's four looked-up bytes, low and high nibbles) into int32 lanes
+ *   GEMM_ROW_BLOCKS, GEMM_MR      microkernel shape: MR activations × 16·GEMM_ROW_BLOCKS rows
+ */
+#include <string.h>
+
+#define RV (LUT_ROWS / W)  /* vectors per 16 rows */
+#define EV (16 / W)        /* vectors per 16 table entries */
+#define KC 256             /* inputs per GEMM panel: 256 × 32 floats = 32 KB, inside L1 */
+#define PANEL_LD (GEMM_ROW_BLOCKS * LUT_ROWS)
+
+#define FOR_BITS(call)                  \
+    switch (w->bits) {                  \
+    case 1: call(1); break;             \
+    case 2: call(2); break;             \
+    case 3: call(3); break;             \
+    case 4: call(4); break;             \
+    default: call(8); break;            \
+    }
+
+void ISA(tables)(const float *x, int k, int group, int table_bits, void *tq_out, float *t_scales, int32_t *xq) {
+    (void)table_bits; /* 8 only: 16-bit tables take the portable path */
+    int8_t *tq = tq_out;
+    const int runs = group / 4;
+    float minus[4][16], mirror[16]; /* −0.0 where entry e (via its odd partner) subtracts x_j; where e is even */
+    for (int e = 0; e < 16; e++) {
+        const int partner = e & 1 ? e : 15 - e;
+        for (int j = 1; j < 4; j++) minus[j][e] = (partner >> j) & 1 ? 0.0f : -0.0f;
+        mirror[e] = e & 1 ? 0.0f : -0.0f;
+    }
+    vf t[128 / 4][EV];
+    for (int g = 0; g < k / group; g++) {
+        vf amax = f_zero();
+        for (int c = 0; c < runs; c++) {
+            const float *xc = x + (size_t)(g * runs + c) * 4;
+            for (int v = 0; v < EV; v++) {
+                vf e = f_set1(xc[0]); /* odd entries left to right; even ones negated */
+                for (int j = 1; j < 4; j++) e = f_add(e, f_xor(f_set1(xc[j]), f_load(minus[j] + v * W)));
+                t[c][v] = f_xor(e, f_load(mirror + v * W));
+                amax = f_max(amax, f_abs(t[c][v]));
+            }
+        }
+        const float am = f_reduce_max(amax);
+        const vf inv = f_set1(am > 0.0f ? 127.0f / am : 0.0f);
+        t_scales[g] = am / 127.0f;
+        int32_t sum = 0;
+        for (int c = 0; c < runs; c++) {
+            int8_t *run = tq + (size_t)(g * runs + c) * 16;
+            store_run(run, t[c], inv);
+            sum += run[15];
+        }
+        xq[g] = sum;
+    }
+}
+
+/* One group's share for W rows: s · ts/2 · (A + (2^b − 1 − 2z) · Xq), added to out. */
+static inline __attribute__((always_inline)) vf epilogue(const uint16_t *scales, const uint8_t *zeros, vf xq,
+                                                         vf half_ts, vi a, vf out, const int bits) {
+    vf total; /* A + (2^b − 1 − 2z)·Xq: integers below 2^24, so this is exact */
+    if (zeros) {
+        vi term = i_sub(i_set1((1 << bits) - 1), i_slli(i_u8(zeros), 1));
+        total = f_fmadd(f_from_i(term), xq, f_from_i(a));
+    } else {
+        total = f_sub(f_from_i(a), xq);
+    }
+    return f_fmadd(f_mul(f_half(scales), half_ts), total, out);
+}
+
+/* Everything the loops need is copied into locals first: through the pointers the compiler
+ * cannot rule out that a store to y or acc changes w->k, and would redo k / group per group. */
+static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w, const lut_tables *t, int rb0, int rb1,
+                                                            float *y, int32_t *acc, const int bits) {
+    const int groups = lut_groups(w), tiles_per_group = w->group / LUT_TILE_K;
+    const size_t tile_stride = (size_t)lut_k_tiles(w) * bits * LUT_TILE_BYTES, param_stride = (size_t)groups * LUT_ROWS;
+    const void *tq = t->tq;
+    const float *t_scales = t->t_scales;
+    const int32_t *xqs = t->xq;
+    for (int rb = rb0; rb < rb1; rb++) {
+        const uint8_t *tile = w->tiles + rb * tile_stride;
+        const uint16_t *scales = w->scales + rb * param_stride;
+        const uint8_t *zeros = w->zeros ? w->zeros + rb * param_stride : NULL;
+        vf out[RV];
+        for (int rv = 0; rv < RV; rv++) out[rv] = f_zero();
+        for (int g = 0; g < groups; g++, scales += LUT_ROWS, zeros = zeros ? zeros + LUT_ROWS : NULL) {
+            vi a[RV][4];
+            for (int rv = 0; rv < RV; rv++) a[rv][0] = a[rv][1] = a[rv][2] = a[rv][3] = i_zero();
+            for (int kt = g * tiles_per_group; kt < (g + 1) * tiles_per_group; kt++, tile += bits * LUT_TILE_BYTES) {
+                const kt_tables tables = load_tables(tq, kt);
+#pragma GCC unroll 8
+                for (int i = 0; i < bits; i++) {
+                    __builtin_prefetch(tile + LUT_PREFETCH + i * LUT_TILE_BYTES);
+                    tile_dot(a, tile + i * LUT_TILE_BYTES, &tables, i);
+                }
+            }
+            __builtin_prefetch(scales + 256); /* the small scale and zero streams, a few groups ahead */
+            if (zeros) __builtin_prefetch(zeros + 256);
+            const vf xq = f_set1((float)xqs[g]), half_ts = f_set1(t_scales[g] * 0.5f);
+            for (int rv = 0; rv < RV; rv++) {
+                const vi sum = i_add(i_add(a[rv][0], a[rv][1]), i_add(a[rv][2], a[rv][3]));
+                if (acc) {
+                    int32_t lanes[W];
+                    memcpy(lanes, &sum, sizeof lanes);
+                    for (int r = 0; r < W; r++) acc[((size_t)rb * LUT_ROWS + rv * W + r) * groups + g] = lanes[r];
+                }
+                out[rv] = epilogue(scales + rv * W, zeros ? zeros + rv * W : NULL, xq, half_ts, sum, out[rv], bits);
+            }
+        }
+        for (int rv = 0; rv < RV; rv++) f_store(y + (size_t)rb * LUT_ROWS + rv * W, out[rv]);
+    }
+}
+
+void ISA(gemv)(const lut_weight *w, const lut_tables *t, int rb0, int rb1, float *y, int32_t *acc) {
+#define GEMV(b) gemv_rows(w, t, rb0, rb1, y, acc, b)
+    FOR_BITS(GEMV)
+#undef GEMV
+}
+
+static inline __attribute__((always_inline)) void dequant_tile_bits(const lut_weight *w, int rb, int kt, float *panel,
+                                                                    int ld, const int bits) {
+    const uint8_t *tile = lut_tile(w, rb, kt);
+    const size_t at = lut_block_param(w, rb, kt * LUT_TILE_K / w->group);
+    for (int rv = 0; rv < RV; rv++) {
+        const vf s = f_half(w->scales + at + rv * W);
+        const vf z = w->zeros ? f_from_i(i_u8(w->zeros + at + rv * W)) : f_set1((float)(1 << (bits - 1)));
+        const vf minus_sz = f_sub(f_zero(), f_mul(s, z)); /* exact, so q·s − s·z rounds to (q − z)·s */
+        vi nib[2][8];
+        for (int i = 0; i < bits; i++) {
+            const vi v = i_load(tile + i * LUT_TILE_BYTES + rv * 4 * W);
+            nib[0][i] = i_nibble(v, 0);
+            nib[1][i] = i_nibble(v, 1);
+        }
+        for (int j = 0; j < 4; j++) {
+            vi q[2] = {i_zero(), i_zero()}; /* byte 4r+p of q[h]: the code of input 16h + 4p + j */
+            for (int i = 0; i < bits; i++) { /* level 1: byte j of the spec's repack word, per plane */
+                const vi table = i_table16(lut_repack_bytes[i][j]);
+                for (int h = 0; h < 2; h++) q[h] = i_or(q[h], i_lookup16(table, nib[h][i]));
+            }
+            for (int h = 0; h < 2; h++)
+                for (int p = 0; p < 4; p++)
+                    f_store(panel + (16 * h + 4 * p + j) * ld + rv * W, f_fmadd(f_from_i(i_byte(q[h], p)), s, minus_sz));
+        }
+    }
+}
+
+void ISA(dequant_tile)(const lut_weight *w, int rb, int kt, float *panel, int ld) {
+#define DEQUANT(b) dequant_tile_bits(w, rb, kt, panel, ld, b)
+    FOR_BITS(DEQUANT)
+#undef DEQUANT
+}
+
+/* y[0..rows) × PANEL_LD columns (+)= xtᵀ [GEMM_MR][kc] · panel [kc][PANEL_LD]; `vecs` columns are real. */
+static inline void microkernel(const float *xt, int m_pad, const float *panel, int kc, float *y, int ldy, int rows,
+                               int first, int vecs) {
+    enum { NV = PANEL_LD / W };
+    vf c[GEMM_MR][NV];
+    for (int r = 0; r < GEMM_MR; r++)
+        for (int v = 0; v < NV; v++)
+            c[r][v] = !first && r < rows && v < vecs ? f_load(y + (size_t)r * ldy + v * W) : f_zero();
+    for (int kk = 0; kk < kc; kk++) {
+        vf b[NV];
+        for (int v = 0; v < NV; v++) b[v] = f_load(panel + kk * PANEL_LD + v * W);
+        const float *a = xt + (size_t)kk * m_pad;
+#pragma GCC unroll 8
+        for (int r = 0; r < GEMM_MR; r++) {
+            const vf ar = f_set1(a[r]);
+            for (int v = 0; v < NV; v++) c[r][v] = f_fmadd(ar, b[v], c[r][v]);
+        }
+    }
+    for (int r = 0; r < GEMM_MR && r < rows; r++)
+        for (int v = 0; v < vecs; v++) f_store(y + (size_t)r * ldy + v * W, c[r][v]);
+}
+
+void ISA(gemm)(const lut_weight *w, const float *xt, int m_pad, int m, int rb0, int rb1, float *y, int ldy) {
+    float panel[KC * PANEL_LD] __attribute__((aligned(64)));
+    for (int rb = rb0; rb < rb1; rb += GEMM_ROW_BLOCKS) {
+        const int blocks = rb1 - rb < GEMM_ROW_BLOCKS ? rb1 - rb : GEMM_ROW_BLOCKS;
+        if (blocks < GEMM_ROW_BLOCKS) memset(panel, 0, sizeof panel);
+        for (int k0 = 0; k0 < w->k; k0 += KC) {
+            const int kc = w->k - k0 < KC ? w->k - k0 : KC;
+            for (int kt = k0 / LUT_TILE_K; kt < (k0 + kc) / LUT_TILE_K; kt++)
+                for (int b = 0; b < blocks; b++)
+                    ISA(dequant_tile)(w, rb + b, kt, panel + (kt * LUT_TILE_K - k0) * PANEL_LD + b * LUT_ROWS, PANEL_LD);
+            for (int m0 = 0; m0 < m_pad; m0 += GEMM_MR)
+                microkernel(xt + (size_t)k0 * m_pad + m0, m_pad, panel, kc, y + (size_t)m0 * ldy + rb * LUT_ROWS, ldy,
+                            m - m0, k0 == 0, blocks * RV);
+        }
+    }
+}

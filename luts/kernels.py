@@ -1,0 +1,187 @@
+"""The compiled LUT kernels behind one small class, the instruction set chosen at run time.
+
+``kernels()`` picks the best kernel this CPU runs (AVX-512 → AVX2 → NEON → portable C);
+``kernels("avx2")`` or ``NPUMOE_LUT_KERNEL=avx2`` forces one, and a CPU that lacks the
+instructions gets a :class:`BackendUnavailableError` instead of a crash. The portable
+kernel runs everywhere a C compiler does. :class:`LutKernels` validates and allocates;
+the raw calls go to the library through ctypes (or, for tests of another architecture,
+to an emulated executable: :mod:`npumoe.luts.emulated`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import numpy as np
+
+from npumoe.errors import BackendUnavailableError, InputError
+from npumoe.luts import build, spec
+from npumoe.luts.layout import ROWS, TiledWeight
+
+PREFERENCE = ("avx512", "avx2", "neon", "portable")
+FEATURE_BITS = {"avx2": 1, "avx512": 2, "neon": 4}
+NEEDS = {"avx2": "AVX2, FMA and F16C", "avx512": "AVX-512 F/BW/VL/DQ with VBMI and VNNI", "neon": "an AArch64 CPU"}
+
+_P, _I = ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {
+    "npumoe_lut_isa": ([], ctypes.c_char_p),
+    "npumoe_cpu_features": ([], ctypes.c_uint),
+    "npumoe_lut_tables": ([_P, _I, _I, _I, _P, _P, _P], None),
+    "npumoe_lut_gemv": ([_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _I], ctypes.c_int),
+    "npumoe_lut_dequant": ([_P, _P, _P, _I, _I, _I, _I, _P, _I], None),
+    "npumoe_lut_gemm": ([_P, _I, _P, _P, _P, _I, _I, _I, _I, _P, _I], ctypes.c_int),
+    "npumoe_stream_read": ([_P, ctypes.c_size_t, _I], ctypes.c_uint64),
+}
+
+
+@functools.cache
+def _load(isa: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build.library(isa)))
+    for name, (args, result) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
+    return lib
+
+
+@functools.cache
+def available() -> tuple[str, ...]:
+    """Kernels this CPU runs, best first (always ending with ``portable``)."""
+    features = _load("portable").npumoe_cpu_features()
+    return tuple(isa for isa in PREFERENCE if isa == "portable" or features & FEATURE_BITS[isa])
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def kernels(isa: str | None = None) -> LutKernels:
+    """The kernels for ``isa`` (default: ``$NPUMOE_LUT_KERNEL`` or ``auto``, the best this CPU runs).
+
+    ``auto`` moves on to the next kernel when a compiler cannot build one (an old gcc
+    without AVX-512 VBMI, say); a forced kernel reports why it cannot be built.
+    """
+    isa = isa or os.environ.get("NPUMOE_LUT_KERNEL") or "auto"
+    if isa == "auto":
+        for candidate in available()[:-1]:
+            try:
+                return LutKernels(candidate, NativeCalls(_load(candidate)))
+            except BackendUnavailableError:
+                continue
+        isa = "portable"
+    if isa not in PREFERENCE:
+        raise InputError(f"unknown LUT kernel {isa!r}; choose auto or one of {', '.join(PREFERENCE)}.")
+    if isa not in available():
+        raise BackendUnavailableError(f"the {isa} LUT kernel needs {NEEDS[isa]}, which this CPU lacks; use auto "
+                                      f"or one of {', '.join(available())}.")
+    return LutKernels(isa, NativeCalls(_load(isa)))
+
+
+def _ptr(a: np.ndarray | None) -> int | None:
+    return None if a is None else a.ctypes.data
+
+
+def _weight_args(w: TiledWeight) -> tuple:
+    return (_ptr(w.tiles), _ptr(w.scales), _ptr(w.zeros), w.row_blocks, w.shape[1], w.bits, w.group)
+
+
+class NativeCalls:
+    """The library's entry points, called in-process; each fills the output arrays it is given."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+
+    def tables(self, x, group, table_bits, tq, t_scales, xq):
+        self.lib.npumoe_lut_tables(_ptr(x), x.shape[0], group, table_bits, _ptr(tq), _ptr(t_scales), _ptr(xq))
+
+    def gemv(self, w, x, table_bits, y, acc, threads):
+        if self.lib.npumoe_lut_gemv(_ptr(x), x.shape[0], *_weight_args(w), table_bits, _ptr(y), _ptr(acc), threads):
+            raise MemoryError("the LUT-GEMV could not allocate its tables")
+
+    def dequantize(self, w, out, threads):
+        self.lib.npumoe_lut_dequant(*_weight_args(w), _ptr(out), threads)
+
+    def gemm(self, w, x, y, threads):
+        if self.lib.npumoe_lut_gemm(_ptr(x), x.shape[0], *_weight_args(w), _ptr(y), threads):
+            raise MemoryError("the LUT GEMM could not allocate its transposed activations")
+
+    def stream_read(self, buf, threads) -> int:
+        return self.lib.npumoe_stream_read(_ptr(buf), buf.nbytes, threads)
+
+
+def _activations(x, k: int) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim not in (1, 2) or x.shape[-1] != k:
+        raise InputError(f"activations of shape {list(x.shape)} do not fit a weight with {k} inputs; pass [K] or "
+                         "[M, K].")
+    return x
+
+
+def _check_table_bits(table_bits: int) -> None:
+    if table_bits not in spec.TABLE_BITS:
+        raise InputError(f"table precision {table_bits} is not supported; use 8 or 16 bits.")
+
+
+class LutKernels:
+    """LUT-GEMV (decode), LUT-dequant GEMM (prefill) and their building blocks for one ISA."""
+
+    def __init__(self, isa: str, calls):
+        self.isa = isa
+        self.calls = calls
+
+    def __repr__(self) -> str:
+        return f"LutKernels({self.isa!r})"
+
+    def tables(self, x: np.ndarray, group: int, table_bits: int = 8):
+        """(Tq [K/4, 16], t_scales [G], Xq [G]) exactly as spec.quantize_tables / table_sums define them."""
+        x = _activations(x, np.shape(x)[-1])
+        spec.check_group(group, x.shape[0])
+        _check_table_bits(table_bits)
+        tq = np.empty((x.shape[0] // 4, 16), spec.TABLE_DTYPE[table_bits])
+        t_scales = np.empty(x.shape[0] // group, np.float32)
+        xq = np.empty(x.shape[0] // group, np.int32)
+        self.calls.tables(x, group, table_bits, tq, t_scales, xq)
+        return tq, t_scales, xq
+
+    def gemv(self, w: TiledWeight, x: np.ndarray, table_bits: int = 8, threads: int | None = None,
+             accumulators: bool = False):
+        """y = x Wᵀ row by row through LUTs; with ``accumulators`` also the int32 A [..., N, G]."""
+        w.check()
+        n, k = w.shape
+        x = _activations(x, k)
+        _check_table_bits(table_bits)
+        rows = x.reshape(-1, k)
+        y = np.empty((rows.shape[0], w.row_blocks * ROWS), np.float32)
+        acc = np.empty((rows.shape[0], w.row_blocks * ROWS, w.groups), np.int32) if accumulators else None
+        self.calls.gemv(w, rows, table_bits, y, acc, threads or default_threads())
+        y = y[:, :n].reshape(*x.shape[:-1], n)
+        return (y, acc[:, :n].reshape(*x.shape[:-1], n, -1)) if accumulators else y
+
+    def gemm(self, w: TiledWeight, x: np.ndarray, threads: int | None = None) -> np.ndarray:
+        """y [M, N] = x [M, K] Wᵀ, dequantising W tile by tile (prefill)."""
+        w.check()
+        n, k = w.shape
+        x = _activations(x, k).reshape(-1, k)
+        y = np.empty((x.shape[0], w.row_blocks * ROWS), np.float32)
+        self.calls.gemm(w, x, y, threads or default_threads())
+        return y[:, :n]
+
+    def dequantize(self, w: TiledWeight, threads: int | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """W [N, K] fp32 through the two-level LUT, bit-identical to spec.dequantize.
+
+        ``out`` (float32 [ceil(N/16)·16, K], C-contiguous) is filled instead of a new array.
+        """
+        w.check()
+        n, k = w.shape
+        shape = (w.row_blocks * ROWS, k)
+        if out is None:
+            out = np.empty(shape, np.float32)
+        elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise InputError(f"out must be a C-contiguous float32 {list(shape)} array, got {out.dtype}{list(out.shape)}.")
+        self.calls.dequantize(w, out, threads or default_threads())
+        return out[:n]
+
+    def stream_read(self, buf: np.ndarray, threads: int | None = None) -> int:
+        """Read ``buf`` once (the bandwidth probe); returns a checksum so the read is not optimised away."""
+        return self.calls.stream_read(buf, threads or default_threads())

@@ -1,0 +1,116 @@
+"""The kernels' tiled arrangement of a packed weight: the same bits, permuted for SIMD.
+
+One tile is 64 bytes: 16 output rows × 32 inputs of one bit plane. Byte 4r + p holds,
+for row r of the block, the plane's 4-bit index of run c = 8t + p in its low nibble and
+of run c = 8t + 4 + p in its high nibble (t = the tile's position along K). So each
+32-bit lane is one row, and its four bytes index four *different* 16-entry tables:
+one 64-byte permute (AVX-512 VBMI `vpermb`, NEON `tbl` over four registers) looks up
+64 entries at once and one 4-way dot product (`vpdpbusd`) sums them per row, with the
+plane weight 2^i as its multiplier. The layout does not depend on the bit width or
+the group size, so one layout serves every kernel and every format.
+
+Arrays (NB = ceil(N / 16); rows past N are zero codes with zero scale):
+    tiles  [NB, K/32, b, 64] uint8
+    scales [NB, K/group, 16] float16
+    zeros  [NB, K/group, 16] uint8, or None for symmetric weights (z = 2^(b−1))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from npumoe.errors import WeightError
+from npumoe.luts import spec
+
+ROWS = 16
+TILE_K = 32
+TILE_BYTES = 64
+
+
+@dataclass(frozen=True, eq=False)
+class TiledWeight:
+    bits: int
+    group: int
+    shape: tuple[int, int]  # (N, K)
+    tiles: np.ndarray
+    scales: np.ndarray
+    zeros: np.ndarray | None
+    checksum: str = ""  # of the packed weight it came from; empty when rebuilt from bare arrays
+
+    @property
+    def row_blocks(self) -> int:
+        return _row_blocks(self.shape[0])
+
+    @property
+    def groups(self) -> int:
+        return self.shape[1] // self.group
+
+    def check(self) -> None:
+        """Raise WeightError unless the arrays have the shapes and dtypes the format implies."""
+        spec.check_format(self.bits, self.group, self.shape[1])
+        nb, k = self.row_blocks, self.shape[1]
+        expected = {"tiles": ((nb, k // TILE_K, self.bits, TILE_BYTES), np.uint8),
+                    "scales": ((nb, self.groups, ROWS), np.float16)}
+        if self.zeros is not None:
+            expected["zeros"] = ((nb, self.groups, ROWS), np.uint8)
+        for name, (shape, dtype) in expected.items():
+            a = getattr(self, name)
+            if a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous:
+                raise WeightError(f"tiled {name} is {a.dtype}{list(a.shape)} but a {self.bits}-bit {self.shape[0]}×{k} "
+                                  f"weight with group {self.group} needs contiguous {np.dtype(dtype)}{list(shape)}; "
+                                  "re-tile it with npumoe.luts.layout.to_tiles.")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a kernel streams per pass over the weight."""
+        return sum(a.nbytes for a in (self.tiles, self.scales, self.zeros) if a is not None)
+
+
+def _row_blocks(n: int) -> int:
+    return -(-n // ROWS)
+
+
+def _pad_rows(a: np.ndarray, rows: int, axis: int) -> np.ndarray:
+    pad = [(0, 0)] * a.ndim
+    pad[axis] = (0, rows - a.shape[axis])
+    return np.pad(a, pad)
+
+
+def _blocked(per_group: np.ndarray, nb: int) -> np.ndarray:
+    """[N, G] → [NB, G, 16], zero-padded rows."""
+    return np.ascontiguousarray(_pad_rows(per_group, nb * ROWS, 0).reshape(nb, ROWS, -1).transpose(0, 2, 1))
+
+
+def to_tiles(packed: spec.Packed) -> TiledWeight:
+    spec.verify(packed)
+    m = packed.meta
+    n, k = m.shape
+    nb = _row_blocks(n)
+    idx = _pad_rows(spec.indices_from_planes(packed.planes), nb * ROWS, 1)  # [b, NB·16, K/4]
+    idx = idx.reshape(m.bits, nb, ROWS, k // TILE_K, 2, 4)  # run c = 8t + 4h + p → (t, h, p)
+    tile_bytes = idx[..., 0, :] | (idx[..., 1, :] << 4)  # [b, NB, r, t, p]
+    tiles = np.ascontiguousarray(tile_bytes.transpose(1, 3, 0, 2, 4)).reshape(nb, k // TILE_K, m.bits, TILE_BYTES)
+    zeros = None if m.symmetric else _blocked(packed.zeros, nb)
+    return TiledWeight(m.bits, m.group, m.shape, tiles, _blocked(packed.scales, nb), zeros, m.checksum)
+
+
+def from_tiles(tiled: TiledWeight) -> spec.Packed:
+    """The inverse of :func:`to_tiles`, checked against the source's checksum when it has one."""
+    tiled.check()
+    n, k = tiled.shape
+    nb, bits = tiled.row_blocks, tiled.bits
+    t = tiled.tiles.reshape(nb, k // TILE_K, bits, ROWS, 4).transpose(2, 0, 3, 1, 4)  # [b, NB, r, t, p]
+    idx = np.stack([t & 0x0F, t >> 4], axis=-2).reshape(bits, nb * ROWS, k // 4)[:, :n]
+    planes = idx[..., 0::2] | (idx[..., 1::2] << 4)
+
+    def unblocked(a):
+        return a.transpose(0, 2, 1).reshape(nb * ROWS, -1)[:n]
+
+    zeros = np.full((n, tiled.groups), 2 ** (bits - 1), np.uint8) if tiled.zeros is None else unblocked(tiled.zeros)
+    packed = spec.make_packed(planes, unblocked(tiled.scales), zeros, bits, tiled.group, tiled.zeros is None)
+    if tiled.checksum and packed.meta.checksum != tiled.checksum:
+        raise WeightError(f"tiled weight checksum mismatch (expected {tiled.checksum}, got {packed.meta.checksum}): "
+                          "the tiles were altered or corrupted; re-tile from the packed weight.")
+    return packed

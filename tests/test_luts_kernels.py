@@ -1,0 +1,180 @@
+"""Every compiled kernel against the numpy spec: tables, int32 accumulators and dequantised
+weights bit for bit; outputs against fp64 and fp32 math. Each ISA this CPU runs is tested,
+and NEON under qemu-user (cross-compiled) when the tools are installed."""
+
+import numpy as np
+import pytest
+
+from npumoe.errors import BackendUnavailableError, InputError, WeightError
+from npumoe.luts import emulated, kernels, layout, spec
+
+ISAS = ("portable", "avx2", "avx512", "neon")
+
+# (bits, symmetric, group, N, K, M): the smallest shapes, N around the 16-row tile, odd group counts
+EDGE_CASES = [
+    (1, False, 32, 1, 32, 1), (2, False, 64, 17, 128, 2), (2, True, 128, 16, 256, 9), (3, False, 32, 33, 96, 8),
+    (3, True, 64, 15, 192, 3), (4, False, 64, 64, 512, 13), (4, True, 32, 100, 64, 1), (8, False, 128, 40, 384, 17),
+    (8, True, 32, 31, 160, 6), (4, False, 128, 48, 1024, 4),
+]
+
+
+def random_cases(count, seed=1):
+    rng = np.random.default_rng(seed)
+    cases = []
+    for _ in range(count):
+        bits = int(rng.choice(spec.BITS))
+        group = int(rng.choice(spec.GROUPS))
+        cases.append((bits, bits > 1 and bool(rng.integers(2)), group, int(rng.integers(1, 80)),
+                      group * int(rng.integers(1, 6)), int(rng.integers(1, 20))))
+    return cases
+
+
+CASES = EDGE_CASES + random_cases(6)
+
+
+@pytest.fixture(scope="module", params=ISAS)
+def lut(request):
+    isa = request.param
+    if isa in kernels.available():
+        return kernels.kernels(isa)
+    if isa == "neon":
+        reason = emulated.missing("neon")
+        if reason:
+            pytest.skip(f"NEON under emulation: {reason}")
+        return emulated.emulated_kernels("neon")
+    pytest.skip(f"this CPU lacks {kernels.NEEDS[isa]} for the {isa} kernel")
+
+
+def activations(rng, shape, group):
+    """Gaussian activations with an all-zero group, an outlier, and exact rounding ties in one group."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[..., :group] = 0
+    if shape[-1] > 2 * group:
+        x[..., group + 1] *= 50
+        tie_runs = np.array([63.5] * 4 + [0.25] * 4 + [0.75] * 4 + [1.25] * 4, np.float32)  # T·inv = 0.5, 1.5, 2.5
+        x[..., 2 * group: 2 * group + 16] = tie_runs
+    return x
+
+
+def make(case):
+    bits, symmetric, group, n, k, m = case
+    rng = np.random.default_rng(abs(hash(case)) % 2**32)
+    packed = spec.quantize_pack(rng.standard_normal((n, k)).astype(np.float32), bits, group, symmetric)
+    return packed, layout.to_tiles(packed), activations(rng, (m, k), group)
+
+
+@pytest.mark.parametrize("table_bits", spec.TABLE_BITS)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_tables_and_accumulators_are_bit_exact(lut, case, table_bits):
+    packed, tiled, x = make(case)
+    group = packed.meta.group
+    tq, t_scales, xq = lut.tables(x[0], group, table_bits)
+    ref_tq, ref_scales = spec.quantize_tables(spec.build_tables(x[0]), group, table_bits)
+    assert np.array_equal(tq, ref_tq) and np.array_equal(t_scales, ref_scales)
+    assert np.array_equal(xq, spec.table_sums(ref_tq, group))
+    y, acc = lut.gemv(tiled, x, table_bits, accumulators=True)
+    for row in range(x.shape[0]):
+        row_tq, _ = spec.quantize_tables(spec.build_tables(x[row]), group, table_bits)
+        assert np.array_equal(acc[row], spec.lut_accumulate(packed.planes, row_tq, group))
+        ref = spec.lut_gemv(packed, x[row], table_bits)
+        assert np.allclose(y[row], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_lut_dequantisation_is_bit_exact_and_gemm_matches_fp64(lut, case):
+    packed, tiled, x = make(case)
+    w = spec.dequantize(packed)
+    assert np.array_equal(lut.dequantize(tiled), w)
+    y = lut.gemm(tiled, x)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    bound = x.shape[1] * 2.0**-23 * (np.abs(x).astype(np.float64) @ np.abs(w).T)  # any fp32 summation order
+    assert y.shape == ref.shape and np.all(np.abs(y - ref) <= bound + 1e-30)
+
+
+def test_outputs_are_within_nmse_of_fp32_dequant_then_matmul(lut):
+    rng = np.random.default_rng(7)
+    for bits in (2, 4):
+        packed = spec.quantize_pack(rng.standard_normal((256, 1024)).astype(np.float32), bits, 64)
+        tiled, w = layout.to_tiles(packed), spec.dequantize(packed)
+        x = rng.standard_normal((8, 1024)).astype(np.float32)
+        ref = x @ w.T
+        for y in (lut.gemv(tiled, x), lut.gemm(tiled, x)):
+            assert np.mean((y - ref) ** 2) / np.mean(ref**2) <= 2e-4
+
+
+def test_thread_counts_agree(lut):
+    packed, tiled, x = make((4, False, 64, 200, 512, 1))
+    _, one = lut.gemv(tiled, x, threads=1, accumulators=True)
+    _, two = lut.gemv(tiled, x, threads=2, accumulators=True)
+    assert np.array_equal(one, two)
+    assert np.array_equal(lut.gemm(tiled, x, threads=1), lut.gemm(tiled, x, threads=2))
+
+
+def test_concurrent_callers_with_different_thread_counts_get_exact_results():
+    from concurrent.futures import ThreadPoolExecutor
+
+    lut = kernels.kernels()
+    packed, tiled, x = make((4, False, 64, 300, 512, 1))
+    tq, _ = spec.quantize_tables(spec.build_tables(x[0]), 64, 8)
+    expected = spec.lut_accumulate(packed.planes, tq, 64)
+
+    def call(threads):
+        return lut.gemv(tiled, x, threads=threads, accumulators=True)[1][0]
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(call, [1, 2, 3, 4] * 10))
+    assert all(np.array_equal(acc, expected) for acc in results)
+
+
+def _gemv_in_child(args):
+    tiled, x = args
+    return kernels.kernels().gemv(tiled, x, threads=2)
+
+
+def test_a_forked_child_gets_its_own_thread_pool():
+    import multiprocessing
+
+    lut = kernels.kernels()
+    _, tiled, x = make((2, False, 64, 100, 256, 1))
+    expected = lut.gemv(tiled, x, threads=2)  # the parent's pool exists before the fork
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert np.array_equal(pool.apply_async(_gemv_in_child, ((tiled, x),)).get(timeout=60), expected)
+
+
+def test_bad_activations_and_weights_are_refused():
+    lut = kernels.kernels("portable")
+    packed = spec.quantize_pack(np.ones((16, 128), np.float32), 4, 64)
+    tiled = layout.to_tiles(packed)
+    with pytest.raises(InputError, match=r"activations of shape \[64\] do not fit a weight with 128 inputs"):
+        lut.gemv(tiled, np.ones(64, np.float32))
+    with pytest.raises(InputError, match="table precision 4"):
+        lut.gemv(tiled, np.ones(128, np.float32), table_bits=4)
+    lying = layout.TiledWeight(4, 64, (16, 256), tiled.tiles, tiled.scales, tiled.zeros)
+    with pytest.raises(WeightError, match="needs contiguous uint8"):
+        lut.gemm(lying, np.ones((2, 256), np.float32))
+
+
+def test_forcing_a_kernel_the_cpu_lacks_is_refused(monkeypatch):
+    monkeypatch.setattr(kernels, "available", lambda: ("portable",))
+    with pytest.raises(BackendUnavailableError, match="the avx512 LUT kernel needs AVX-512 .* use auto or one of "
+                                                      "portable"):
+        kernels.kernels("avx512")
+    with pytest.raises(InputError, match="unknown LUT kernel 'sse9'"):
+        kernels.kernels("sse9")
+    monkeypatch.setenv("NPUMOE_LUT_KERNEL", "portable")
+    assert kernels.kernels().isa == "portable"
+
+
+def test_auto_moves_past_a_kernel_the_compiler_cannot_build(monkeypatch):
+    real_load = kernels._load
+
+    def load(isa):
+        if isa != "portable":
+            raise BackendUnavailableError(f"compiling the LUT kernels failed ({isa})")
+        return real_load(isa)
+
+    monkeypatch.setattr(kernels, "_load", load)
+    monkeypatch.setattr(kernels, "available", lambda: ("avx2", "portable"))
+    assert kernels.kernels().isa == "portable"
+    with pytest.raises(BackendUnavailableError, match="compiling the LUT kernels failed"):
+        kernels.kernels("avx2")

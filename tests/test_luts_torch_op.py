@@ -1,0 +1,59 @@
+"""npumoe::lut_linear against the numpy spec, and torch.export of a module that uses it."""
+
+import numpy as np
+import pytest
+import torch
+
+from npumoe.errors import InputError
+from npumoe.luts import spec, torch_op
+
+
+@pytest.fixture(scope="module")
+def layer():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 40)
+    return linear, torch_op.LutLinear.from_linear(linear, bits=4, group=64)
+
+
+def reference(linear, bits=4, group=64):
+    return spec.quantize_pack(linear.weight.detach().numpy(), bits, group)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 33])  # at 4 bits: the GEMV path up to 15 rows, then the GEMM
+def test_op_matches_the_spec(layer, rows):
+    linear, module = layer
+    packed = reference(linear)
+    x = torch.randn(rows, 256)
+    y = module(x)
+    bias = linear.bias.detach().numpy()
+    if not torch_op.uses_gemm(rows, 4):
+        expected = np.stack([spec.lut_gemv(packed, row) for row in x.numpy()]) + bias
+        assert np.allclose(y.numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    else:
+        expected = x.numpy().astype(np.float64) @ spec.dequantize(packed).T.astype(np.float64) + bias
+        assert np.allclose(y.numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_leading_dims_dtype_and_symmetric_weights(layer):
+    linear, _ = layer
+    module = torch_op.LutLinear(spec.quantize_pack(linear.weight.detach().numpy(), 2, 32, symmetric=True))
+    assert module.zeros is None and module.bias is None
+    x = torch.randn(3, 5, 256, dtype=torch.bfloat16)
+    y = module(x)
+    assert y.shape == (3, 5, 40) and y.dtype == torch.bfloat16
+    assert torch.allclose(y.float(), module(x.float()).to(torch.bfloat16).float())
+
+
+def test_export_keeps_the_custom_op(layer):
+    _, module = layer
+    x = torch.randn(6, 256)
+    exported = torch.export.export(module, (x,))
+    assert any(node.target is torch.ops.npumoe.lut_linear.default for node in exported.graph.nodes)
+    assert torch.equal(exported.module()(x), module(x))
+    torch.library.opcheck(torch.ops.npumoe.lut_linear, (x, module.tiles, module.scales, module.zeros, 4, 64, 40))
+
+
+def test_wrong_input_width_is_refused(layer):
+    _, module = layer
+    with pytest.raises(InputError, match="do not fit a weight with 256 inputs"):
+        module(torch.randn(2, 128))

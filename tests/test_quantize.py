@@ -1,0 +1,250 @@
+"""`npumoe quantize` → `npumoe.load` → the engine: the quantised checkpoint holds exactly the spec's
+packed weights, the CPU executor runs them through ``npumoe::lut_linear``, and every kind of bad
+input or damaged file is a typed error."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import npumoe
+from npumoe.cli import main
+from npumoe.core.weights import Weights
+from npumoe.errors import BackendUnavailableError, InputError, UnsupportedModelError, WeightError
+from npumoe.luts import checkpoint, kernels, spec, torch_op
+from npumoe.luts.quantize import quantize_checkpoint
+from npumoe.luts.torch_op import LutLinear
+from npumoe.models.loader import DEMO_DIR, read_tensors
+from npumoe.models.registry import adapter_for
+from npumoe.models.tokenizer import MARKER
+
+ARCH = dict(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    from hf_compare import build_checkpoint, transformers
+
+    path = tmp_path_factory.mktemp("src")
+    build_checkpoint(transformers.Qwen3MoeConfig(**ARCH), path)
+    (path / MARKER).write_text('{"kind": "bytes"}')  # a tokenizer file: copied beside the weights
+    return path
+
+
+@pytest.fixture(scope="module")
+def quantized(source, tmp_path_factory):
+    out = tmp_path_factory.mktemp("q4")
+    main(["quantize", "--model", str(source), "--bits", "4", "--group", "64", "--out", str(out)])
+    return out
+
+
+def nmse(a, b):
+    return float(np.mean((a - b) ** 2) / np.mean(b**2))
+
+
+def test_checkpoint_holds_the_specs_packed_experts_and_the_rest_unchanged(source, quantized):
+    original = npumoe.load(source)
+    model = npumoe.load(quantized)
+    names = checkpoint.quantized_names(model.spec)
+    assert len(names) == 2 * 4 * 3 and set(model.weights.packed) == set(names)
+    for name in names:
+        expected = spec.quantize_pack(original.weights[name].numpy(), 4, 64)
+        assert np.array_equal(model.weights[name].numpy(), spec.dequantize(expected))
+        assert isinstance(model.weights.packed[name], LutLinear) and model.weights.packed[name].bits == 4
+    for name in model.weights:
+        if name not in names:
+            assert torch.equal(model.weights[name], original.weights[name])
+    cfg = json.loads((quantized / "config.json").read_text())
+    assert cfg[checkpoint.SECTION] == checkpoint.section(4, 64, False) and "quantization_config" not in cfg
+    assert (quantized / MARKER).read_bytes() == (source / MARKER).read_bytes()
+    assert not list(quantized.glob("*.tmp")) and not list(quantized.glob(".*.tmp"))
+
+
+def test_engine_runs_experts_through_lut_linear_close_to_dequantised_fp32(quantized, monkeypatch):
+    model = npumoe.load(quantized)
+    reference = dataclasses.replace(model, weights=Weights(dict(model.weights), model.spec))  # same fp32 values
+    ids = np.random.default_rng(0).integers(0, 64, 24)
+    expected = npumoe.Engine(reference, chunk=8).forward(ids)
+    names, errors = {id(m): name for name, m in model.weights.packed.items()}, []
+    forward = LutLinear.forward
+
+    def checked(self, x):  # each call against fp32 dequantise-then-matmul
+        y = forward(self, x)
+        errors.append(nmse(y.numpy(), torch.nn.functional.linear(x, model.weights[names[id(self)]]).numpy()))
+        return y
+
+    monkeypatch.setattr(LutLinear, "forward", checked)
+    logits = npumoe.Engine(model, chunk=8).forward(ids)
+    assert errors and max(errors) <= 2e-4
+    assert nmse(logits, expected) <= 2e-3  # six int8-table matmuls per token, compounded over two layers
+    assert len(npumoe.Engine(model, chunk=8).generate(ids[:5], max_new_tokens=6)) == 6
+
+
+@pytest.fixture
+def forced_kernel(monkeypatch):
+    """Set NPUMOE_LUT_KERNEL for one test; the op picks its kernels once, so forget that choice around it."""
+    def force(isa):
+        monkeypatch.setenv("NPUMOE_LUT_KERNEL", isa)
+        torch_op._kernels.cache_clear()
+
+    yield force
+    torch_op._kernels.cache_clear()
+
+
+def test_forcing_a_kernel_this_cpu_lacks_fails_clearly_in_the_engine(quantized, forced_kernel):
+    force = forced_kernel
+    lacking = next((isa for isa in ("neon", "avx512", "avx2") if isa not in kernels.available()), None)
+    if lacking is None:
+        pytest.skip("this CPU runs every SIMD kernel")
+    force(lacking)
+    engine = npumoe.Engine(npumoe.load(quantized), chunk=8)
+    with pytest.raises(BackendUnavailableError, match=f"the {lacking} LUT kernel needs .* use auto or one of"):
+        engine.forward(np.arange(4))
+    force("portable")
+    assert np.isfinite(engine.forward(np.arange(4))).all()
+
+
+def test_symmetric_and_two_bit_checkpoints_load(source, tmp_path):
+    quantize_checkpoint(source, tmp_path, bits=2, group=32, symmetric=True)
+    model = npumoe.load(tmp_path)
+    layer = model.weights.packed["layers.0.moe.experts.0.up.weight"]
+    assert (layer.bits, layer.group, layer.zeros) == (2, 32, None)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(bits=5, group=64), "5-bit weights are not supported"),
+    (dict(bits=4, group=48), "group size 48 is not supported"),
+    (dict(bits=1, group=64, symmetric=True), "1-bit symmetric"),
+    (dict(bits=4, group=128), r"layers\.0\.moe\.experts\.0\.gate\.weight has K = 64 inputs, not a multiple of "
+                              "the group size 128"),
+])
+def test_unsupported_formats_are_refused_before_writing(source, tmp_path, kwargs, match):
+    with pytest.raises(InputError, match=match):
+        quantize_checkpoint(source, tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_reports_bad_options_in_one_line(source, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["quantize", "--model", str(source), "--bits", "5", "--out", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.startswith("error: 5-bit weights") and len(err.splitlines()) == 1
+
+
+def test_requantising_and_clobbering_are_refused(source, quantized, tmp_path):
+    with pytest.raises(InputError, match="already quantised by npumoe"):
+        quantize_checkpoint(quantized, tmp_path, 4, 64)
+    with pytest.raises(InputError, match="is the source directory"):
+        quantize_checkpoint(source, source, 4, 64)
+    (tmp_path / "old.safetensors").write_bytes(b"")
+    with pytest.raises(InputError, match=r"already holds other weights \(old.safetensors\)"):
+        quantize_checkpoint(source, tmp_path, 4, 64)
+
+
+def test_foreign_quantisation_configs_are_still_refused(source, tmp_path):
+    quantize_checkpoint(source, tmp_path, 4, 64)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"quantization_config": {"quant_method": "gptq"}}))
+    with pytest.raises(UnsupportedModelError, match="quantized \\(gptq\\)"):
+        npumoe.load(tmp_path)
+
+
+def rewrite(path, edit_tensors=None, edit_meta=None):
+    """Rewrite model.safetensors with its tensors and/or header metadata edited in place."""
+    file = path / checkpoint.WEIGHTS_FILE
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = json.loads(f.metadata()[checkpoint.METADATA_KEY])
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_meta:
+        edit_meta(meta)
+    save_file(tensors, str(file), metadata=None if meta is None else {checkpoint.METADATA_KEY: json.dumps(meta)})
+
+
+NAME = "layers.1.moe.experts.2.down.weight"
+
+
+def flip_a_bit(tensors):
+    tensors[f"{NAME}.planes"][0, 3, 5] ^= 4
+
+
+def reshape_meta(meta):
+    meta[NAME]["shape"] = [64, 64]
+
+
+def drop_zeros(tensors):
+    del tensors[f"{NAME}.zeros"]
+
+
+@pytest.mark.parametrize("edit, match", [
+    (dict(edit_tensors=flip_a_bit), "checksum mismatch .* corrupted"),
+    (dict(edit_meta=reshape_meta), r"packed planes has shape \[4, 64, 16\] but a 4-bit 64×64 weight"),
+    (dict(edit_tensors=drop_zeros), f"lacks its '{NAME}.zeros' entry"),
+    (dict(edit_meta=lambda meta: meta.clear() or None), f"missing tensor '{NAME.replace('1.moe.experts.2.down', '0.moe.experts.0.gate')}'"),
+])
+def test_damaged_checkpoints_are_refused(source, tmp_path, edit, match):
+    quantize_checkpoint(source, tmp_path, 4, 64)
+    rewrite(tmp_path, **edit)
+    with pytest.raises(WeightError, match=match):
+        npumoe.load(tmp_path)
+
+
+def test_unknown_format_version_and_missing_metadata_are_refused(source, tmp_path):
+    quantize_checkpoint(source, tmp_path, 4, 64)
+    file = tmp_path / checkpoint.WEIGHTS_FILE
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(file))
+    with pytest.raises(WeightError, match="lacks its 'npumoe.luts' metadata"):
+        npumoe.load(tmp_path)
+    cfg_path = tmp_path / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg[checkpoint.SECTION]["version"] = 99
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(WeightError, match="cannot read .* re-quantise the original model"):
+        npumoe.load(tmp_path)
+
+
+def test_stacked_expert_checkpoints_quantise_the_same_matrices(tmp_path):
+    from hf_compare import build_checkpoint, transformers
+
+    build_checkpoint(transformers.Qwen3MoeConfig(**ARCH), tmp_path / "src", layout="stacked")
+    quantize_checkpoint(tmp_path / "src", tmp_path / "q", 4, 64)
+    raw = read_tensors(tmp_path / "src", adapter_for("qwen3_moe"))
+    name = "layers.1.moe.experts.3.gate.weight"
+    expected = spec.dequantize(spec.quantize_pack(raw[name].float().numpy(), 4, 64))
+    assert np.array_equal(npumoe.load(tmp_path / "q").weights[name].numpy(), expected)
+
+
+def perplexity(model, texts, window=256):
+    engine = npumoe.Engine(model, chunk=64)
+    nll, count = 0.0, 0
+    for text in texts:
+        ids = np.asarray(model.tokenizer.encode(text)[:window])
+        logits = torch.from_numpy(engine.forward(ids[:-1]))
+        nll += float(torch.nn.functional.cross_entropy(logits, torch.from_numpy(ids[1:]), reduction="sum"))
+        count += len(ids) - 1
+    return float(np.exp(nll / count))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (DEMO_DIR / "model.safetensors").exists(), reason="the demo model is not trained yet "
+                    "(models/demo/model.safetensors absent)")
+def test_quantised_demo_model_generates_with_a_small_perplexity_change(tmp_path):
+    from npumoe.models.demo.corpus import heldout_texts
+
+    quantize_checkpoint(DEMO_DIR, tmp_path, 4, 64)
+    original, quantised = npumoe.load(DEMO_DIR), npumoe.load(tmp_path)
+    prompt = np.asarray(quantised.tokenizer.encode("def main():\n    "))
+    assert len(npumoe.Engine(quantised).generate(prompt, max_new_tokens=24)) > 0
+    texts = [t for t in heldout_texts(12) if len(t) > 64]
+    before, after = perplexity(original, texts), perplexity(quantised, texts)
+    print(f"\nheld-out perplexity (demo, {len(texts)} texts × ≤256 bytes): fp32 {before:.3f} → int4 g64 {after:.3f} "
+          f"({100 * (after / before - 1):+.2f} %)")
+    assert after < before * 1.05

@@ -11,8 +11,8 @@ import re
 from collections.abc import Callable, Iterator
 
 import torch
+from npumoe.core.spec import AttentionSpec, ModelSpec, NormSpec, RopeSpec
 
-from npumoe.core.spec import AttentionSpec, NormSpec, RopeSpec
 from npumoe.errors import UnsupportedModelError
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
@@ -192,6 +192,21 @@ def activation(cfg: dict) -> str:
     if act not in ACTIVATIONS:
         raise UnsupportedModelError(f"hidden_act {act!r} is not supported; supported: {', '.join(ACTIVATIONS)}.")
     return ACTIVATIONS[act]
+
+
+def model_spec(cfg: dict, family: str, layers, norm: NormSpec, **extra) -> ModelSpec:
+    """A ModelSpec with the fields every family reads from config.json the same way."""
+    return ModelSpec(
+        family=family,
+        vocab_size=require(cfg, "vocab_size"),
+        hidden_size=require(cfg, "hidden_size"),
+        layers=tuple(layers),
+        norm=norm,
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        eos_token_ids=eos_ids(cfg),
+        max_position=int(first(cfg, "max_position_embeddings", default=2048)),
+        **extra,
+    )
 
 
 def rms_norm(cfg: dict) -> NormSpec:

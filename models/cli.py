@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import click
-from rich.console import Console
-from rich.table import Table
-
 from npumoe.core.spec import ModelSpec, MoESpec
 from npumoe.core.weights import attention_shapes, expected_shapes, mlp_shapes
 from npumoe.models.loader import DEMO_DIR, load
+from rich.console import Console
+from rich.table import Table
+
 
 def _count(shapes: dict) -> int:
     total = 0

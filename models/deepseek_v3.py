@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from npumoe.core.rope import yarn_mscale
 from npumoe.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RopeSpec, RouterSpec
-from npumoe.models.base import Adapter, activation, eos_ids, require, rms_norm, rope_spec
+from npumoe.models.base import Adapter, activation, model_spec, require, rms_norm, rope_spec
 
 # transformers' DeepseekV3Config defaults, for keys a config.json may leave out
 DEFAULTS = {
@@ -77,13 +77,4 @@ class DeepseekV3Adapter(Adapter):
         layers = tuple(
             LayerSpec(att, moe if i >= first_moe else dense, norm) for i in range(require(cfg, "num_hidden_layers"))
         )
-        return ModelSpec(
-            family="deepseek_v3",
-            vocab_size=require(cfg, "vocab_size"),
-            hidden_size=require(cfg, "hidden_size"),
-            layers=layers,
-            norm=norm,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_ids(cfg),
-            max_position=int(cfg["max_position_embeddings"]),
-        )
+        return model_spec(cfg, "deepseek_v3", layers, norm)

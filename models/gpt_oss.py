@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from npumoe.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
 from npumoe.models.base import (
-    L, Adapter, eos_ids, layer_windows, rename, require, rms_norm, rope_spec, rules, stacked_experts,
+    Adapter,
+    L,
+    layer_windows,
+    model_spec,
+    rename,
+    require,
+    rms_norm,
+    rope_spec,
+    rules,
+    stacked_experts,
 )
 
 # transformers' GptOssConfig defaults, for keys a config.json may leave out
@@ -74,13 +83,4 @@ class GptOssAdapter(Adapter):
         cfg = {**DEFAULTS, **cfg}
         moe, norm = experts(cfg), rms_norm(cfg)
         layers = tuple(LayerSpec(attention(cfg, window), moe, norm) for window in layer_windows(cfg, alternating))
-        return ModelSpec(
-            family="gpt_oss",
-            vocab_size=require(cfg, "vocab_size"),
-            hidden_size=require(cfg, "hidden_size"),
-            layers=layers,
-            norm=norm,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_ids(cfg),
-            max_position=int(cfg["max_position_embeddings"]),
-        )
+        return model_spec(cfg, "gpt_oss", layers, norm)

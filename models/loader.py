@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-
 from npumoe.core.spec import ModelSpec
 from npumoe.core.weights import Weights
-from npumoe.errors import ModelDirError, UnsupportedModelError, WeightError
 from npumoe.models.registry import adapter_for
 from npumoe.models.tokenizer import load_tokenizer
+from safetensors import SafetensorError, safe_open
+
+from npumoe.errors import ModelDirError, UnsupportedModelError, WeightError
 
 DEMO_DIR = Path(__file__).parent / "demo"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

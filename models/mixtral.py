@@ -8,7 +8,7 @@ transformers 5 holds them, stacked ``mlp.experts.gate_up_proj``; the common tabl
 from __future__ import annotations
 
 from npumoe.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
-from npumoe.models.base import Adapter, activation, eos_ids, gqa_attention, require, rms_norm
+from npumoe.models.base import Adapter, activation, gqa_attention, model_spec, require, rms_norm
 
 # transformers' MixtralConfig defaults, for keys a config.json may leave out
 DEFAULTS = {
@@ -29,13 +29,5 @@ class MixtralAdapter(Adapter):
             expert=MLPSpec(require(cfg, "intermediate_size"), activation(cfg)),
         )
         norm = rms_norm(cfg)
-        return ModelSpec(
-            family="mixtral",
-            vocab_size=require(cfg, "vocab_size"),
-            hidden_size=require(cfg, "hidden_size"),
-            layers=tuple(LayerSpec(attention, moe, norm) for _ in range(require(cfg, "num_hidden_layers"))),
-            norm=norm,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_ids(cfg),
-            max_position=int(cfg["max_position_embeddings"]),
-        )
+        layers = [LayerSpec(attention, moe, norm)] * require(cfg, "num_hidden_layers")
+        return model_spec(cfg, "mixtral", layers, norm)

@@ -4,7 +4,7 @@ q, k and v; softmax top-k routing, optionally renormalised; every layer is MoE."
 from __future__ import annotations
 
 from npumoe.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
-from npumoe.models.base import Adapter, activation, eos_ids, gqa_attention, require, rms_norm
+from npumoe.models.base import Adapter, activation, gqa_attention, model_spec, require, rms_norm
 
 # transformers' OlmoeConfig defaults, for keys a config.json may leave out
 DEFAULTS = {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096}
@@ -22,13 +22,5 @@ class OlmoeAdapter(Adapter):
             router=RouterSpec(top_k=require(cfg, "num_experts_per_tok"), normalize=bool(cfg.get("norm_topk_prob"))),
             expert=MLPSpec(require(cfg, "intermediate_size"), activation(cfg)),
         )
-        return ModelSpec(
-            family="olmoe",
-            vocab_size=require(cfg, "vocab_size"),
-            hidden_size=require(cfg, "hidden_size"),
-            layers=tuple(LayerSpec(attention, moe, norm) for _ in range(require(cfg, "num_hidden_layers"))),
-            norm=norm,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_ids(cfg),
-            max_position=int(cfg["max_position_embeddings"]),
-        )
+        layers = [LayerSpec(attention, moe, norm)] * require(cfg, "num_hidden_layers")
+        return model_spec(cfg, "olmoe", layers, norm)

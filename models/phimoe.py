@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from npumoe.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RopeSpec, RouterSpec
+from npumoe.models.base import Adapter, activation, gqa_attention, model_spec, require
+
 from npumoe.errors import UnsupportedModelError
-from npumoe.models.base import Adapter, activation, eos_ids, gqa_attention, require
 
 # transformers' PhimoeConfig defaults, for keys a config.json may leave out
 DEFAULTS = {
@@ -53,14 +54,5 @@ class PhimoeAdapter(Adapter):
             expert=MLPSpec(require(cfg, "intermediate_size"), activation(cfg)),
         )
         norm = NormSpec("layer", float(cfg["rms_norm_eps"]), bias=True)
-        return ModelSpec(
-            family="phimoe",
-            vocab_size=require(cfg, "vocab_size"),
-            hidden_size=require(cfg, "hidden_size"),
-            layers=tuple(LayerSpec(attention, moe, norm) for _ in range(require(cfg, "num_hidden_layers"))),
-            norm=norm,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            lm_head_bias=bool(cfg.get("lm_head_bias", False)),
-            eos_token_ids=eos_ids(cfg),
-            max_position=int(cfg["max_position_embeddings"]),
-        )
+        layers = [LayerSpec(attention, moe, norm)] * require(cfg, "num_hidden_layers")
+        return model_spec(cfg, "phimoe", layers, norm, lm_head_bias=bool(cfg.get("lm_head_bias", False)))

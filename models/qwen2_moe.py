@@ -7,10 +7,18 @@ from __future__ import annotations
 from dataclasses import replace
 
 from npumoe.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
-from npumoe.errors import UnsupportedModelError
 from npumoe.models.base import (
-    Adapter, activation, eos_ids, gqa_attention, is_sparse, layer_windows, require, rms_norm,
+    Adapter,
+    activation,
+    gqa_attention,
+    is_sparse,
+    layer_windows,
+    model_spec,
+    require,
+    rms_norm,
 )
+
+from npumoe.errors import UnsupportedModelError
 
 # transformers' Qwen2MoeConfig defaults, for keys a config.json may leave out
 DEFAULTS = {
@@ -63,13 +71,4 @@ class Qwen2MoeAdapter(Adapter):
             LayerSpec(attention(cfg, window), moe if is_sparse(cfg, i, moe.num_experts) else dense, norm)
             for i, window in enumerate(windows(cfg))
         )
-        return ModelSpec(
-            family="qwen2_moe",
-            vocab_size=require(cfg, "vocab_size"),
-            hidden_size=require(cfg, "hidden_size"),
-            layers=layers,
-            norm=norm,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_ids(cfg),
-            max_position=int(cfg["max_position_embeddings"]),
-        )
+        return model_spec(cfg, "qwen2_moe", layers, norm)

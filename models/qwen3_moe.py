@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from npumoe.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
-from npumoe.models.base import Adapter, activation, eos_ids, gqa_attention, is_sparse, require, rms_norm
+from npumoe.models.base import Adapter, activation, gqa_attention, is_sparse, model_spec, require, rms_norm
 
 
 class Qwen3MoeAdapter(Adapter):
@@ -29,13 +29,4 @@ class Qwen3MoeAdapter(Adapter):
             LayerSpec(attention, moe if is_sparse(cfg, i, num_experts) else dense, norm)
             for i in range(require(cfg, "num_hidden_layers"))
         )
-        return ModelSpec(
-            family="qwen3_moe",
-            vocab_size=require(cfg, "vocab_size"),
-            hidden_size=require(cfg, "hidden_size"),
-            layers=layers,
-            norm=norm,
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_ids(cfg),
-            max_position=int(cfg.get("max_position_embeddings", 2048)),
-        )
+        return model_spec(cfg, "qwen3_moe", layers, norm)

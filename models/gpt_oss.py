@@ -4,16 +4,7 @@ from __future__ import annotations
 
 from npumoe.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
 from npumoe.models.base import (
-    Adapter,
-    L,
-    layer_windows,
-    model_spec,
-    rename,
-    require,
-    rms_norm,
-    rope_spec,
-    rules,
-    stacked_experts,
+    L, Adapter, gqa_attention, layer_windows, model_spec, rename, require, rms_norm, rules, stacked_experts,
 )
 
 # transformers' GptOssConfig defaults, for keys a config.json may leave out
@@ -34,23 +25,9 @@ def alternating(n: int) -> list[str]:
 
 
 def attention(cfg: dict, window: int | None) -> AttentionSpec:
-    head_dim = cfg["head_dim"] or require(cfg, "hidden_size") // require(cfg, "num_attention_heads")
     if not (cfg.get("rope_parameters") or cfg.get("rope_scaling")):
         cfg = {**cfg, "rope_parameters": DEFAULT_ROPE_SCALING}
-    bias = bool(cfg["attention_bias"])
-    return AttentionSpec(
-        kind="gqa",
-        num_heads=require(cfg, "num_attention_heads"),
-        num_kv_heads=require(cfg, "num_key_value_heads"),
-        head_dim=head_dim,
-        v_head_dim=head_dim,
-        scale=head_dim**-0.5,
-        rope=rope_spec(cfg, head_dim),
-        qkv_bias=bias,
-        o_bias=bias,
-        sliding_window=window,
-        sinks=True,
-    )
+    return gqa_attention(cfg, sliding_window=window, sinks=True)
 
 
 def experts(cfg: dict) -> MoESpec:

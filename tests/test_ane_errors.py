@@ -6,31 +6,21 @@ import sys
 import numpy as np
 import pytest
 import torch
-
-import npumoe
+from cli_check import cli_error
 from hf_compare import build_checkpoint, transformers
 from npumoe.backends.apple_ane import AneBackend, rules
 from npumoe.backends.apple_ane.lint import check, lint_package
 from npumoe.backends.apple_ane.mlpackage import SPEC_PATH, Package
-from npumoe.cli import main
 from npumoe.core.artifacts import build
 from npumoe.core.calibrate import calibrate
 from npumoe.core.plan import plan
 from npumoe.core.program import build_program
+
+import npumoe
 from npumoe.errors import ArtifactError, BackendUnavailableError, InputError
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("coremltools") is None,
                                 reason="coremltools is not installed (pip install 'npumoe[ane]')")
-
-
-def cli_error(capsys, *argv) -> str:
-    capsys.readouterr()  # drop what came before (coremltools' conversion progress)
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(argv))
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "Traceback" not in err and len(err.splitlines()) == 1
-    return err
 
 
 @pytest.fixture(scope="module")

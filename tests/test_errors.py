@@ -5,12 +5,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from cli_check import cli_error
+from hf_compare import build_checkpoint, transformers
 from safetensors.torch import load_file, save_file
 
 import npumoe
-from npumoe.cli import main
 from npumoe.errors import InputError, ModelDirError, UnsupportedModelError, WeightError
-from hf_compare import build_checkpoint, transformers
 
 
 @pytest.fixture(scope="module")
@@ -29,15 +29,6 @@ def copy_checkpoint(src, dst):
     for f in src.iterdir():
         (dst / f.name).write_bytes(f.read_bytes())
     return dst
-
-
-def cli_error(capsys, *argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        main(list(argv))
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "Traceback" not in err and len(err.splitlines()) == 1
-    return err
 
 
 def test_missing_directory(tmp_path, capsys):

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import npumoe
-from hf_compare import build_checkpoint, transformers
 from npumoe.backends.apple_ane import AneBackend
 from npumoe.backends.apple_ane.lint import lint_package
 from npumoe.backends.apple_ane.mlpackage import SPEC_PATH, Package
@@ -27,7 +26,6 @@ from npumoe.core.plan import plan
 from npumoe.core.plan_cli import default_calibration_texts
 from npumoe.core.program import build_program
 from npumoe.errors import BackendUnavailableError
-from npumoe.models.loader import DEMO_DIR
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("coremltools") is None,
                                 reason="coremltools is not installed (pip install 'npumoe[ane]')")
@@ -35,7 +33,6 @@ PROMPTS = [
     b"def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n\nprint(fib",
     b"The built-in function sorted() returns a new sorted list from the items in iterable. ",
 ]
-IS_DEMO = (DEMO_DIR / "config.json").exists()
 
 
 def ids(prompt: bytes) -> np.ndarray:
@@ -46,21 +43,9 @@ def row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
-def decisive_routing(hf_model):
-    for layer in hf_model.model.layers:
-        layer.mlp.gate.weight.mul_(8.0)
-
-
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    if IS_DEMO:
-        return npumoe.load()
-    from npumoe.models.demo.train import ARCH
-
-    path = tmp_path_factory.mktemp("demo_shaped")
-    build_checkpoint(transformers.Qwen3MoeConfig(**ARCH), path, prepare=decisive_routing)
-    (path / "npumoe_tokenizer.json").write_text('{"kind": "bytes"}')
-    return npumoe.load(path)
+def model():
+    return npumoe.load()  # the shipped demo model: trained routing, a fair int4 test
 
 
 @pytest.fixture(scope="module")
@@ -167,8 +152,6 @@ def test_int4_packages_run_exactly_the_quantized_model(model, ane_plan, int4):
     assert max(errors.values()) < 5e-3  # fp16 storage between ops: ~1e-3
 
 
-@pytest.mark.skipif(not IS_DEMO, reason="int4 fidelity needs the trained demo model; a random-weight stand-in is not "
-                                        "a quantization benchmark (ideal per-block int4 gives it cosine 0.97-0.99)")
 def test_int4_logits_stay_close_to_the_fp32_reference(model, ane_plan, int4, reference):
     eng = npumoe.Engine(model, ane_plan, backend="ane", artifacts=int4[0])
     for prompt, (logits, _) in reference.items():

@@ -103,15 +103,22 @@ def plan_figures(model, calib: RoutingProfile, heldout: list[str], chunk: int, t
 
     ids = [model.tokenizer.encode(t) for t in heldout]
     windows = [t[s:s + 4 * chunk] for t in ids for s in range(0, len(t) - chunk + 1, 4 * chunk)]
-    out = {}
-    for method, overflow in (("uniform", "drop"), ("paper", "drop"), ("optimal", "spill")):
-        p = plan(model, calib, target=target, overflow=overflow, residency="npu", method=method)
+    out, experts = {}, model.spec.layers[model.spec.moe_layers[0]].ffn.num_experts
+    settings = {  # name → plan() arguments
+        "uniform+drop": dict(method="uniform", overflow="drop"),
+        "paper+drop": dict(method="paper", overflow="drop"),
+        "optimal+spill": dict(method="optimal", overflow="spill"),
+        "optimal+spill, 20 % budget, per-expert tiers": dict(method="optimal", overflow="spill", max_overflow=0.2,
+                                                              max_tiers=experts),
+    }
+    for name, kwargs in settings.items():
+        p = plan(model, calib, target=target, residency="npu", **kwargs)
         eng = Engine(model, plan=p, max_context=4 * chunk)
         for w in windows:
             eng.forward(np.asarray(w[: len(w) // chunk * chunk]))
         m = eng.metrics
         npu_slots = m["routed"] - m["spilled"] - m["dropped"] + m["padded"]
-        out[f"{method}+{overflow}"] = {
+        out[name] = {
             "padded_pct": 100 * m["padded"] / max(npu_slots, 1),
             "dropped_pct": 100 * m["dropped"] / m["routed"],
             "spilled_pct": 100 * m["spilled"] / m["routed"],

@@ -257,8 +257,11 @@ def predict(loads: np.ndarray, groups: list[GroupPlan]) -> dict:
 
 
 def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "spill", residency: str = "auto",
-         method: str = "optimal", max_overflow: float = 0.10) -> Plan:
-    """Make a Plan for ``model`` on ``target`` from a calibration ``profile``."""
+         method: str = "optimal", max_overflow: float = 0.10, max_tiers: int = MAX_TIERS) -> Plan:
+    """Make a Plan for ``model`` on ``target`` from a calibration ``profile``.
+
+    ``max_overflow`` and ``max_tiers`` steer the optimiser: a larger spill budget or more
+    distinct capacities (each one more graph per layer) buy less padding."""
     spec: ModelSpec = model.spec
     for name, value, allowed in (("overflow", overflow, OVERFLOW_POLICIES), ("residency", residency, RESIDENCY),
                                  ("method", method, METHODS)):
@@ -270,7 +273,7 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
     for i in spec.moe_layers:
         loads = profile.loads[i]
         if method == "optimal":
-            tiers, tier_of = optimal_tiers(loads, caps.alignment, max_overflow)
+            tiers, tier_of = optimal_tiers(loads, caps.alignment, max_overflow, max_tiers)
         else:
             tiers, tier_of = paper_tiers(loads, caps.alignment, uniform=method == "uniform")
         popularity = [int(e) for e in profile.popularity(i)]

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from npumoe.core.calibrate import RoutingProfile, calibrate, overlap_at_k
 from npumoe.core.cli import model_option
-from npumoe.core.plan import METHODS, OVERFLOW_POLICIES, RESIDENCY, plan
+from npumoe.core.plan import MAX_TIERS, METHODS, OVERFLOW_POLICIES, RESIDENCY, plan
 from npumoe.errors import InputError
 from npumoe.models.loader import load
 
@@ -97,9 +97,11 @@ def print_overlap(console: Console, a: RoutingProfile, b: RoutingProfile) -> Non
               help="Capacity tiers: optimal (ours), paper (NPUMoE tiers), uniform (one capacity).")
 @click.option("--max-overflow", default=0.10, show_default=True, type=click.FloatRange(0, 1),
               help="Budget of routed slots allowed past capacity (optimal method).")
+@click.option("--max-tiers", default=MAX_TIERS, show_default=True, type=click.IntRange(1),
+              help="Distinct capacities per layer (optimal method); each is at least one more graph.")
 @click.option("--out", default="plan.json", show_default=True, type=click.Path())
 @click.option("--plot", type=click.Path(), default=None, help="Also draw tiers, groups and residency to a PNG.")
-def plan_command(model_dir, profile_path, target, overflow, residency, method, max_overflow, out, plot):
+def plan_command(model_dir, profile_path, target, overflow, residency, method, max_overflow, max_tiers, out, plot):
     """Plan static shapes for a target: capacity tiers, expert groups, residency, overflow.
 
     Example: npumoe plan --profile profile.json --target ane --residency npu --out plan.json
@@ -107,7 +109,7 @@ def plan_command(model_dir, profile_path, target, overflow, residency, method, m
     console = Console()
     model = load(model_dir)
     p = plan(model, RoutingProfile.load(profile_path), target=target, overflow=overflow, residency=residency,
-             method=method, max_overflow=max_overflow)
+             method=method, max_overflow=max_overflow, max_tiers=max_tiers)
     p.save(out)
     table = Table("layer", "tiers", "groups (experts × capacity, residency)", "padded %", "overflow %", "NPU launches")
     for i, lp in p.layers.items():

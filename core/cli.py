@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import click
 import numpy as np
@@ -50,26 +51,42 @@ def model_option(f):
 @click.option("--target", type=click.Choice(["cpu", "htp", "ane"]), default="cpu", show_default=True,
               help="Where NPU-placed graphs run; htp/ane need --artifacts from npumoe build.")
 @click.option("--artifacts", default=None, type=click.Path(), help="Artifact directory from npumoe build.")
-def generate_command(model_dir, prompt, ids, max_new_tokens, chunk, max_context, plan_path, target, artifacts):
+@click.option("--trace", "trace_path", default=None, type=click.Path(),
+              help="Write a Chrome trace of host steps (and, for htp, the HTP's per-graph profile) here.")
+def generate_command(model_dir, prompt, ids, max_new_tokens, chunk, max_context, plan_path, target, artifacts,
+                     trace_path):
     """Greedy-generate a continuation, through npumoe's own graphs and host runtime.
 
     \b
     Examples:
       npumoe generate --prompt "import os" -n 40
-      npumoe generate --target htp --artifacts build/htp
+      npumoe generate --target htp --artifacts build/htp --trace trace.json
     """
     from npumoe.core.plan import Plan
 
     model = load(model_dir)
     tokens = prompt_ids(model, prompt, ids)
     plan = Plan.load(plan_path) if plan_path else None
-    eng = Engine(model, plan=plan, backend=target, artifacts=artifacts, chunk=chunk, max_context=max_context)
+    profile = {"profile_dir": trace_profile_dir(trace_path)} if trace_path and target == "htp" else None
+    eng = Engine(model, plan=plan, backend=target, artifacts=artifacts, chunk=chunk, max_context=max_context,
+                 backend_options=profile)
+    if trace_path:
+        eng.metrics_.spans = []
     start = time.perf_counter()
     new = eng.generate(np.asarray(tokens), max_new_tokens=max_new_tokens)
     seconds = time.perf_counter() - start
     text = model.tokenizer.decode(new) if ids is None else " ".join(map(str, new.tolist()))
     click.echo(text)
     click.echo(f"[{len(tokens)} prompt + {len(new)} new tokens in {seconds:.2f} s]", err=True)
+    if trace_path:
+        from npumoe.backends.qualcomm_htp.trace import write_trace
+
+        click.echo(f"wrote {write_trace(trace_path, eng)}", err=True)
+
+
+def trace_profile_dir(trace_path: str) -> str:
+    """Where the HTP's per-session profile CSVs go: beside the trace, kept for QNN's own tools."""
+    return str(Path(trace_path).with_suffix("")) + "_htp_profile"
 
 
 def routing_table(spec, recorder: LoadRecorder) -> Table:

@@ -39,6 +39,7 @@ COMMANDS = {
     "calibrate": "npumoe.core.plan_cli:calibrate_command",
     "plan": "npumoe.core.plan_cli:plan_command",
     "build": "npumoe.core.build_cli:build_command",
+    "hub": "npumoe.backends.qualcomm_htp.hub:hub_command",
     "lint": "npumoe.backends.apple_ane.lint:lint_command",
     "quantize": "npumoe.luts.quantize:quantize_command",
     "bench": "npumoe.cli:bench",

@@ -13,6 +13,7 @@ from collections import ChainMap
 
 import numpy as np
 import pytest
+from npu_check import ids, row_cosines
 
 import npumoe
 from npumoe.backends.apple_ane import AneBackend
@@ -27,20 +28,13 @@ from npumoe.core.plan_cli import default_calibration_texts
 from npumoe.core.program import build_program
 from npumoe.errors import BackendUnavailableError
 
+
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("coremltools") is None,
                                 reason="coremltools is not installed (pip install 'npumoe[ane]')")
 PROMPTS = [
     b"def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n\nprint(fib",
     b"The built-in function sorted() returns a new sorted list from the items in iterable. ",
 ]
-
-
-def ids(prompt: bytes) -> np.ndarray:
-    return np.frombuffer(prompt, dtype=np.uint8).astype(np.int64)
-
-
-def row_cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +93,9 @@ def test_fp16_packages_match_the_reference_engine(model, ane_plan, fp16, referen
 
 def dequantized_experts(model, out, manifest) -> dict:
     """The expert weights as the int4 packages store them, decoded by coremltools' own op."""
-    from coremltools.converters.mil.mil.ops.defs.iOS18.compression import constexpr_blockwise_shift_scale
+    from coremltools.converters.mil.mil.ops.defs.iOS18.compression import (
+        constexpr_blockwise_shift_scale,
+    )
 
     weights = {}
     for rel in packages(manifest):
@@ -121,7 +117,6 @@ def test_int4_packages_run_exactly_the_quantized_model(model, ane_plan, int4):
     """Every NPU launch of a real int4 run against the reference executor on the same inputs, given the
     dequantized weights: only fp16 arithmetic may differ (end to end, a near-tie routing flip would hide it)."""
     import torch
-
     from npumoe.backends.cpu.executor import TorchGraphExecutor
 
     out, manifest = int4

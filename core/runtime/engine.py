@@ -31,10 +31,13 @@ class Engine:
     """Run a loaded model: ``forward(ids)`` → logits, ``generate(ids, n)`` → new ids."""
 
     def __init__(self, model, plan=None, backend: str = "cpu", artifacts=None,
-                 chunk: int | None = None, max_context: int | None = None, on_route=None):
+                 chunk: int | None = None, max_context: int | None = None, on_route=None,
+                 backend_options: dict | None = None):
         """``on_route(layer, experts[S,k], weights[S,k], attn_out[S,H])`` observes every routing
-        decision (calibration and tests use it); it must not modify its arguments."""
+        decision (calibration and tests use it); it must not modify its arguments.
+        ``backend_options`` go to the backend's constructor (e.g. ``profile_dir`` for the HTP)."""
         self.model = model
+        self.backend_options = dict(backend_options or {})
         self.on_route = on_route
         self.spec = model.spec
         if artifacts is not None:
@@ -72,7 +75,8 @@ class Engine:
             from npumoe.core.artifacts import load_executors
 
 
-            execs.update(load_executors(get_backend(backend), artifacts, npu, weights, self.model))
+            execs.update(load_executors(get_backend(backend, **self.backend_options), artifacts, npu, weights,
+                                        self.model))
         return execs
 
     def _moe_layers(self) -> dict[tuple[int, int], MoELayer]:

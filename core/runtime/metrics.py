@@ -13,6 +13,7 @@ class Metrics:
     def __init__(self):
         self.counts: dict[str, int] = dict.fromkeys(COUNTS, 0)
         self.seconds: dict[str, float] = defaultdict(float)
+        self.spans: list[tuple[str, float, float]] | None = None  # set to [] to record a timeline (--trace)
 
     def add(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + int(n)
@@ -23,7 +24,10 @@ class Metrics:
         try:
             yield
         finally:
-            self.seconds[op] += time.perf_counter() - start
+            end = time.perf_counter()
+            self.seconds[op] += end - start
+            if self.spans is not None:
+                self.spans.append((op, start, end))
 
     def as_dict(self) -> dict:
         return {**self.counts, "seconds": dict(self.seconds)}

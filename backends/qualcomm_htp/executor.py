@@ -1,0 +1,44 @@
+"""Run one compiled graph (an EPContext model) on the HTP: IR tensors in, IR tensors out.
+
+The only translation at the boundary is the attention mask: the engine masks with −inf,
+which fp16 and 16-bit fixed point cannot carry through ``logits + mask``; the HTP gets
+``MASK_FLOOR`` instead (exp(−10⁴) is 0 in every precision, so softmax is unchanged).
+Calibration feeds go through the same :func:`encode`, so QDQ ranges see what runs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+MASK_FLOOR = -1e4
+
+
+def encode(names, inputs: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    feed = {}
+    for name in names:
+        arr = inputs[name].detach().float().numpy()
+        feed[name] = np.maximum(arr, MASK_FLOOR) if name == "mask" else np.ascontiguousarray(arr)
+    return feed
+
+
+class HtpExecutor:
+    """One graph's session. ``launches`` (host start/end, perf_counter seconds) is kept when
+    profiling, so the HTP's per-run profile can be placed on the host timeline."""
+
+    def __init__(self, session, graph_name: str, profile_csv=None):
+        self.session, self.graph_name, self.profile_csv = session, graph_name, profile_csv
+        self.inputs = [i.name for i in session.get_inputs()]
+        self.outputs = [o.name for o in session.get_outputs()]
+        self.launches: list[tuple[float, float]] = []
+
+    def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        feed = encode(self.inputs, inputs)
+        start = time.perf_counter()
+        raw = self.session.run(self.outputs, feed)
+        if self.profile_csv is not None:
+            self.launches.append((start, time.perf_counter()))
+        return {name: torch.from_numpy(arr) for name, arr in zip(self.outputs, raw)}

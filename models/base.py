@@ -124,8 +124,9 @@ ROPE_KINDS = ("default", "linear", "yarn", "llama3", "longrope")
 
 
 def rope_spec(cfg: dict, head_dim: int, interleaved: bool = False) -> RopeSpec:
-    """RoPE from either spelling: ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``."""
-    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    """RoPE from either spelling: ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``.
+    Where a config has both, legacy ``rope_scaling`` keys win, as transformers merges them."""
+    params = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)

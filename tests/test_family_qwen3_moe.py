@@ -38,3 +38,14 @@ def test_stacked_experts_and_legacy_spellings(tmp_path):
     edit_config(tmp_path, num_local_experts=None, num_experts=6, rope_parameters=None, rope_theta=10000.0)
     model = assert_matches(tmp_path, hf, prompt_len=11, chunk=4)
     assert model.spec.layers[0].ffn.num_experts == 6
+
+
+def test_legacy_rope_scaling_wins_over_rope_parameters_as_in_transformers(tmp_path):
+    """A config carrying both spellings: transformers lets `rope_scaling` override `rope_parameters`."""
+    build_checkpoint(transformers.Qwen3MoeConfig(**BASE), tmp_path)
+    edit_config(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                rope_scaling={"rope_type": "linear", "factor": 2.0})
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    assert hf.config.rope_parameters["rope_type"] == "linear"
+    model = assert_matches(tmp_path, hf)
+    assert model.spec.layers[0].attention.rope.kind == "linear"

@@ -61,7 +61,6 @@ TABLE_MAX = {8: 127, 16: 32767}
 TABLE_DTYPE = {8: np.int8, 16: np.int16}
 
 _E = np.arange(16)
-SIGNS = np.where((_E[:, None] >> np.arange(4)) & 1, 1, -1).astype(np.int8)  # [16, 4]: σ_j(e)
 
 
 @dataclass(frozen=True)

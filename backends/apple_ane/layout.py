@@ -148,7 +148,7 @@ class AneGraphModule(torch.nn.Module):
     def logical(self, v: Val, name: str) -> torch.Tensor:
         return from_ane(v.t, self.shapes[name]) if v.act else v.t
 
-    def as_act(self, arg, like: str | None = None) -> torch.Tensor:
+    def as_act(self, arg) -> torch.Tensor:
         """An [S, C] operand (value or 1-D/2-D weight) in ANE layout."""
         if isinstance(arg, str):  # a weight broadcast along channels
             return self.weight(arg).reshape(1, -1, 1, 1)

@@ -55,6 +55,25 @@ def test_a_node_the_htp_rejects_is_named_with_its_ir_op(monkeypatch, tmp_path):
     assert "tiny.ffn" in str(err.value)
 
 
+def test_a_node_that_fails_at_qnn_finalize_is_named_with_its_ir_op(monkeypatch, tmp_path):
+    """GatherND on a 16 MB graph input passes onnxruntime's HTP capability check but QNN cannot finalize it
+    (QNN_COMMON_ERROR_MEM_ALLOC); the error must still name the node, its ONNX op and its IR op."""
+
+    def slice_via_gathernd(b, op, out):
+        rows = np.arange(op.a["start"], op.a["stop"], op.a["step"]).reshape(-1, 1)
+        return b.node("GatherND", op.inputs[0], b.const(rows, np.int64), out=out)
+
+    monkeypatch.setitem(onnx_graph.LOWERINGS, "slice", slice_via_gathernd)
+    b = GraphBuilder()
+    z = b("relu", "z")  # a node before the culprit, so that finding it takes the bisection
+    b.rename_output(b("add", b("slice", "x", axis=0, start=0, stop=8, step=1), z), "y")
+    graph = Graph("tiny.rows", "ffn", {"x": TensorType((1 << 16, 64)), "z": TensorType((8, 64))},
+                  {"y": TensorType((8, 64))}, b.ops)
+    with pytest.raises(InputError, match=r"node '(slice_\d+)/GatherND_\d+' \(ONNX GatherND, lowered from IR op 'slice' "
+                                         r"→ \1\) in graph tiny.rows is rejected by the HTP: .*MEM_ALLOC"):
+        HtpBackend().lower(graph, {}, tmp_path)
+
+
 def test_an_ir_op_without_lowering_is_named(tmp_path):
     graph, weights = tiny_graph("relu")
     graph.ops[1] = Op("lut_linear", graph.ops[1].inputs, graph.ops[1].outputs)

@@ -7,16 +7,19 @@ shared FFNs and the LM head stay fp16: they are a small share of the bytes and t
 sensitive to 4-bit error (on a small random-weight Qwen3-MoE, int4 everywhere gave a logit
 cosine of 0.96, int4 experts alone 0.998). Only 1×1-conv (linear) weights are compressed.
 
-The values come from coremltools' own optimizers for now; ``npumoe.luts.mappings`` (the
-T-MAN low-bit format mapped to exactly these constexpr ops' arrays) replaces them once it
-exists, so one packed weight serves the CPU kernels and Core ML alike. Both are
-deterministic (k-means is seeded), so identical weights in two functions compress
-identically and a multifunction package still stores them once.
+int4 values come from ``npumoe.luts`` (its symmetric quantiser and
+:func:`npumoe.luts.mappings.blockwise_shift_scale`), so the codes Core ML stores are the ones
+the CPU LUT kernels run; coremltools' quantisation pass only places them (its arithmetic
+differs from luts' at rounding ties). Palettes are still coremltools' seeded k-means. Both are
+deterministic, so identical weights in two functions compress identically and a
+multifunction package still stores them once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from npumoe.errors import InputError
 
@@ -63,8 +66,32 @@ def compress(mlmodel, precision: str):
     if precision == "int4":
         op_config = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int4", granularity="per_block",
                                                 block_size=INT4_BLOCK, weight_threshold=0)
-        return cto.linear_quantize_weights(mlmodel, cto.OptimizationConfig(op_type_configs={"conv": op_config}))
+        return luts_int4(mlmodel, cto.OptimizationConfig(op_type_configs={"conv": op_config}))
     op_config = cto.OpPalettizerConfig(mode="kmeans", nbits=int(scheme(precision).bits),
                                        granularity="per_grouped_channel", group_size=PALETTE_GROUP,
                                        weight_threshold=0)
     return cto.palettize_weights(mlmodel, cto.OptimizationConfig(op_type_configs={"conv": op_config}))
+
+
+def luts_int4(mlmodel, config):
+    """coremltools' per-block weight quantiser (which finds the conv weights and writes
+    ``constexpr_blockwise_shift_scale``) with the codes and scales computed by ``npumoe.luts``."""
+    from coremltools.converters.mil.mil import types
+    from coremltools.models.utils import _apply_graph_pass
+    from coremltools.optimize._utils import QuantParams
+    from coremltools.optimize.coreml._quantization_passes import linear_quantize_weights
+
+    from npumoe.luts import mappings, spec
+
+    class LutsQuantizer(linear_quantize_weights):  # coremltools 9's pass; the override is its one hook
+        @classmethod
+        def blockwise_compress_by_dtype(cls, original_data, dtype, mode, block_sizes):
+            rows, cols = original_data.shape[:2]
+            weight = original_data.reshape(rows, cols).astype(np.float32)
+            packed = mappings.blockwise_shift_scale(spec.quantize_pack(weight, 4, INT4_BLOCK, symmetric=True))
+            tail = (1,) * (original_data.ndim - 2)
+            return QuantParams(data=packed.data.reshape(original_data.shape).astype(types.nptype_from_builtin(types.int4)),
+                               scale=packed.scale.reshape(rows, cols // INT4_BLOCK, *tail), offset=None,
+                               nbits=np.uint8(4))
+
+    return _apply_graph_pass(mlmodel, LutsQuantizer(config))

@@ -17,9 +17,10 @@ import platform
 import shlex
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
+from npumoe.core.native import cache_dir as native_cache_dir
+from npumoe.core.native import compile_atomically
 from npumoe.errors import BackendUnavailableError
 
 CSRC = Path(__file__).parent / "csrc"
@@ -37,18 +38,7 @@ CROSS_COMPILERS = {"aarch64": "aarch64-linux-gnu-gcc"}
 
 
 def cache_dir() -> Path:
-    if os.environ.get("NPUMOE_CACHE_DIR"):
-        root = Path(os.environ["NPUMOE_CACHE_DIR"])
-    else:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "npumoe"
-    path = root / "luts"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    except OSError:  # a read-only home: fall back to a private temp dir
-        path = Path(tempfile.gettempdir()) / f"npumoe-{os.getuid() if hasattr(os, 'getuid') else 'user'}" / "luts"
-        path.mkdir(parents=True, exist_ok=True)
-        return path
+    return native_cache_dir("luts")
 
 
 @functools.cache
@@ -86,19 +76,7 @@ def _key(cc, sources, flags) -> str:
 def _compile(cc, sources, flags, out: Path) -> Path:
     if out.exists():
         return out
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".tmp")
-    os.close(fd)
-    cmd = [*cc, *flags, *map(str, sources), "-o", tmp, "-lm"]
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode:
-            raise BackendUnavailableError(f"compiling the LUT kernels failed ({' '.join(cmd)}):\n{result.stderr.strip()}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    return compile_atomically([*cc, *flags, *map(str, sources), "-lm"], out, "the LUT kernels")
 
 
 def library(isa: str) -> Path:

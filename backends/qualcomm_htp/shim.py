@@ -15,10 +15,10 @@ import ctypes
 import hashlib
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 from npumoe.backends.qualcomm_htp.qnn import ort_qnn
+from npumoe.core.native import cache_dir, compile_atomically
 from npumoe.errors import BackendUnavailableError
 
 SOURCE = Path(__file__).with_name("qnn_shim.c")
@@ -30,10 +30,6 @@ def _mapped(library: Path) -> bool:
     """Whether ``library`` is already loaded: ExecuTorch dlopens ``libQnnHtp.so`` by name, and the
     dynamic loader hands back the first loaded object of that soname, so the shim must come first."""
     return any(line.rstrip().endswith(str(library)) for line in Path("/proc/self/maps").read_text().splitlines())
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "npumoe" / "qnn_shim"
 
 
 def _real_libs(real_dir: Path) -> list[Path]:
@@ -48,13 +44,11 @@ def _build(sdk: Path, real_dir: Path) -> None:
                                       "(apt-get install gcc) or set QNN_SDK_ROOT to a QNN 2.37 SDK.")
     lib_dir = sdk / LIB_SUBDIR
     lib_dir.mkdir(parents=True, exist_ok=True)
-    tmp = lib_dir / f".libQnnHtp.so.{os.getpid()}"
-    subprocess.run([compiler, "-shared", "-fPIC", "-O2", "-o", str(tmp), str(SOURCE), "-ldl",
-                    "-Wl,-soname,libQnnHtp.so", "-Wl,-z,nodelete"], check=True, capture_output=True)
     for lib in _real_libs(real_dir):
         if lib.name != "libQnnHtp.so" and not (lib_dir / lib.name).exists():
             (lib_dir / lib.name).symlink_to(lib)
-    os.replace(tmp, lib_dir / "libQnnHtp.so")
+    compile_atomically([compiler, "-shared", "-fPIC", "-O2", str(SOURCE), "-ldl", "-Wl,-soname,libQnnHtp.so",
+                        "-Wl,-z,nodelete"], lib_dir / "libQnnHtp.so", "the QNN shim for ExecuTorch")
 
 
 def qnn_sdk_root() -> Path:
@@ -78,7 +72,7 @@ def qnn_sdk_root() -> Path:
             "before any onnxruntime-qnn session)."
         )
     digest = hashlib.sha256(SOURCE.read_bytes() + str(real_dir).encode()).hexdigest()[:16]
-    sdk = _cache_root() / digest
+    sdk = cache_dir("qnn_shim") / digest
     if not (sdk / LIB_SUBDIR / "libQnnHtp.so").exists():
         _build(sdk, real_dir)
     os.environ["QNN_SDK_ROOT"] = str(sdk)

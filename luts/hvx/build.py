@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 from npumoe.errors import BackendUnavailableError
+from npumoe.core.native import compile_atomically
 from npumoe.luts.build import cache_dir
 
 SOURCE_DIR = Path(__file__).parent
@@ -41,22 +40,10 @@ def _key() -> str:
 
 
 def harness() -> Path:
-    """The cached harness executable, compiled now if needed (written under a temporary name, then renamed)."""
+    """The cached harness executable, compiled now if needed."""
     if not shutil.which(CLANG):
         raise BackendUnavailableError(f"{CLANG} is not installed; apt-get install clang-16 lld-16.")
     out = cache_dir() / f"hvx-harness-{_key()}"
     if out.exists():
         return out
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".tmp")
-    os.close(fd)
-    cmd = [CLANG, *FLAGS, *(str(SOURCE_DIR / name) for name in SOURCES), "-o", tmp]
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
-        if result.returncode:
-            raise BackendUnavailableError(f"compiling the HVX harness failed ({' '.join(cmd)}):\n"
-                                          f"{result.stderr.strip()}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+    return compile_atomically([CLANG, *FLAGS, *(str(SOURCE_DIR / name) for name in SOURCES)], out, "the HVX harness")

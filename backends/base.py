@@ -8,6 +8,10 @@ A backend is one object with three members (compare ggml's backend vtable):
 * ``load(artifact, out_dir, graph, weights)``: return an executor, a callable mapping named
   input tensors to named output tensors with the graph's static shapes.
 
+:class:`BackendBase` supplies the rest with defaults a backend may override: ``build`` (lower
+every graph, with a progress bar), ``calibrate`` (a no-op; the HTP records QDQ activation
+ranges there) and ``describe``.
+
 Backends are found by name in :data:`BUILTIN` and in the ``npumoe.backends`` entry-point
 group, so a third-party package can add one without touching npumoe.
 """
@@ -58,6 +62,8 @@ class Backend(Protocol):
 
     def load(self, artifact: dict[str, Any], out_dir: Path, graph: Graph, weights: Mapping[str, torch.Tensor]) -> Executor: ...
 
+    def calibrate(self, model, plan, max_context: int, names: list[str]) -> None: ...
+
     def build(self, graphs: list[Graph], weights, out_dir: Path, progress: bool = True) -> dict[str, dict]: ...
 
     def describe(self) -> dict[str, Any]: ...
@@ -68,6 +74,10 @@ class BackendBase:
     Backends that package several graphs together (Core ML multifunction) override build."""
 
     name = "base"
+
+    def calibrate(self, model, plan, max_context: int, names: list[str]) -> None:
+        """Before a build: record what the named NPU graphs see on the reference run. Only backends
+        that quantise activations (the HTP's QDQ precisions) need it."""
 
     def build(self, graphs: list[Graph], weights, out_dir: Path, progress: bool = True) -> dict[str, dict]:
         from rich.progress import Progress

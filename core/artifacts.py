@@ -54,8 +54,7 @@ def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512,
     if not npu_graphs:
         raise InputError("the plan places no graph on the NPU (residency cpu?); there is nothing to build.")
     backend = get_backend(target, **backend_options)
-    if hasattr(backend, "calibrate"):  # backends that quantise activations record them on the reference run
-        backend.calibrate(model, plan, max_context, [g.name for g in npu_graphs])
+    backend.calibrate(model, plan, max_context, [g.name for g in npu_graphs])
     out_dir = Path(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.building-"))

@@ -2,11 +2,15 @@
 
 For an N×K weight (default 4096×4096, group 64) at int4 and int2, with one thread and
 with all of them:
-  * streaming-read bandwidth, measured here by reading 256 MB with the kernels' own
-    prefetching loop (the ceiling a GEMV can reach);
   * LUT-GEMV: median time per call with the weights rotated through 160 MB (more than
     any last-level cache), so every call reads DRAM; effective GB/s (tiles + scales + zeros
-    per call / time) and its ratio to the bandwidth;
+    per call / time);
+  * streaming-read bandwidth: a plain read of the same bytes (another copy of the weight,
+    with the kernels' own prefetching loop), timed alternately with the GEMV calls. The
+    ratio of the two medians is the GEMV's share of the bandwidth. Alternating matters on a
+    shared machine: from one pass to the next a read's bandwidth swings by a third here,
+    so a median GEMV compared with the best of a few separate read passes reads about 0.8
+    even for a kernel that is a pure read. The best 256 MB read pass is printed as the peak;
   * speedups over an fp32 GEMV (torch, rotated fp32 copies) and over dequantise-then-GEMV
     (the kernels' LUT dequantiser writing fp32 W, then the same fp32 GEMV);
   * prefill, M = 64: the fused LUT-dequant GEMM against an fp32 GEMM (torch).
@@ -35,17 +39,20 @@ PREFILL_ROWS = 64
 
 
 def median_seconds(fn, calls: int, warmup: int) -> float:
-    return float(np.median(timings(fn, calls, warmup)))
+    return float(np.median(timings(fn, calls=calls, warmup=warmup)[0]))
 
 
-def timings(fn, calls: int, warmup: int) -> list[float]:
+def timings(*fns, calls: int, warmup: int) -> list[list[float]]:
+    """Seconds per call of each fn(i), the fns called in turn so drift on the machine hits all alike."""
     for i in range(warmup):
-        fn(i)
-    times = []
+        for fn in fns:
+            fn(i)
+    times = [[] for _ in fns]
     for i in range(calls):
-        start = time.perf_counter()
-        fn(warmup + i)
-        times.append(time.perf_counter() - start)
+        for fn, series in zip(fns, times):
+            start = time.perf_counter()
+            fn(warmup + i)
+            series.append(time.perf_counter() - start)
     return times
 
 
@@ -53,17 +60,43 @@ def copies_for(nbytes: int, rotate_bytes: int) -> int:
     return max(2, -(-rotate_bytes // nbytes))
 
 
-def rotated_tiles(packed: spec.Packed, rotate_bytes: int) -> list[layout.TiledWeight]:
-    """Independent copies of the tiled weight, together larger than ``rotate_bytes``."""
+def rotated_tiles(packed: spec.Packed, rotate_bytes: int) -> list[tuple[layout.TiledWeight, np.ndarray]]:
+    """Independent copies of the tiled weight, together larger than ``rotate_bytes``.
+
+    Each copy's arrays are views into one buffer (returned beside it), so a plain read of
+    that buffer touches exactly the bytes a GEMV of the copy reads.
+    """
     tiled = layout.to_tiles(packed)
-    return [layout.TiledWeight(tiled.bits, tiled.group, tiled.shape, tiled.tiles.copy(), tiled.scales.copy(),
-                               None if tiled.zeros is None else tiled.zeros.copy())
-            for _ in range(copies_for(tiled.nbytes, rotate_bytes))]
+    parts = [a for a in (tiled.tiles, tiled.scales, tiled.zeros) if a is not None]
+    copies = []
+    for _ in range(copies_for(tiled.nbytes, rotate_bytes)):
+        buffer = np.empty(tiled.nbytes, np.uint8)
+        views, at = [], 0
+        for a in parts:  # every part's size is a multiple of 16 bytes, so views stay aligned
+            view = buffer[at:at + a.nbytes].view(a.dtype).reshape(a.shape)
+            view[...] = a
+            views.append(view)
+            at += a.nbytes
+        zeros = views[2] if tiled.zeros is not None else None
+        copies.append((layout.TiledWeight(tiled.bits, tiled.group, tiled.shape, views[0], views[1], zeros), buffer))
+    return copies
 
 
-def stream_gbs(lut, buf: np.ndarray, threads: int) -> float:
-    """The best of several passes: an upper bound on what a GEMV can stream, so ratios err low."""
-    return buf.nbytes / min(timings(lambda i: lut.stream_read(buf, threads), 7, 1)) / 1e9
+def peak_stream_gbs(lut, buf: np.ndarray, threads: int) -> float:
+    """The best of several 256 MB read passes: what this machine reaches at its quietest."""
+    return buf.nbytes / min(timings(lambda i: lut.stream_read(buf, threads), calls=7, warmup=1)[0]) / 1e9
+
+
+def gemv_against_stream(lut, copies, x, threads: int, calls: int) -> tuple[float, float]:
+    """Median seconds of a LUT-GEMV and of a plain read of the same bytes, alternated.
+
+    The read takes the copy half a rotation away, so neither finds the other's lines in cache.
+    """
+    half = len(copies) // 2
+    gemv, read = timings(lambda i: lut.gemv(copies[i % len(copies)][0], x, threads=threads),
+                         lambda i: lut.stream_read(copies[(i + half) % len(copies)][1], threads),
+                         calls=calls, warmup=len(copies))
+    return float(np.median(gemv)), float(np.median(read))
 
 
 def run(n: int, k: int, group: int, repeats: int, kernel: str | None, rotate_bytes: int, advance) -> dict:
@@ -74,7 +107,7 @@ def run(n: int, k: int, group: int, repeats: int, kernel: str | None, rotate_byt
     xs = rng.standard_normal((PREFILL_ROWS, k), dtype=np.float32)
     fp32 = [torch.from_numpy(w.copy()) for _ in range(copies_for(w.nbytes, rotate_bytes))]
     tiled = {name: rotated_tiles(spec.quantize_pack(w, bits, group), rotate_bytes) for name, bits in FORMATS.items()}
-    dense = np.empty((tiled["int4"][0].row_blocks * layout.ROWS, k), np.float32)  # the unfused baseline's W
+    dense = np.empty((tiled["int4"][0][0].row_blocks * layout.ROWS, k), np.float32)  # the unfused baseline's W
     stream_buf = np.ones(STREAM_BYTES // 8, np.uint64)
     x_t, xs_t = torch.from_numpy(x), torch.from_numpy(xs)
     result = {"shape": [n, k], "group": group, "kernel": lut.isa, "load_before": os.getloadavg(), "threads": {}}
@@ -82,24 +115,21 @@ def run(n: int, k: int, group: int, repeats: int, kernel: str | None, rotate_byt
     try:
         for threads in sorted({1, default_threads()}):
             torch.set_num_threads(threads)
-            row = {"stream_gbs": stream_gbs(lut, stream_buf, threads)}
+            row = {"stream_peak_gbs": peak_stream_gbs(lut, stream_buf, threads)}
             fp32_gemv = median_seconds(lambda i: torch.mv(fp32[i % len(fp32)], x_t), max(repeats, 4 * len(fp32)), 1)
             fp32_gemm = median_seconds(lambda i: torch.mm(xs_t, fp32[i % len(fp32)].T), repeats, 1)
             row["fp32_gemv_ms"], row["fp32_gemm_ms"] = fp32_gemv * 1e3, fp32_gemm * 1e3
             advance()
             for name, copies in tiled.items():
-                t = median_seconds(lambda i: lut.gemv(copies[i % len(copies)], x, threads=threads),
-                                   repeats * len(copies), len(copies))
+                weight = copies[0][0]
+                t, read = gemv_against_stream(lut, copies, x, threads, repeats * len(copies))
                 unfused = median_seconds(lambda i: torch.mv(torch.from_numpy(
-                    lut.dequantize(copies[i % len(copies)], threads, out=dense)), x_t), repeats, 1)
-                prefill = median_seconds(lambda i: lut.gemm(copies[i % len(copies)], xs, threads), repeats, 1)
-                row[name] = {"ms": t * 1e3, "gbs": copies[0].nbytes / t / 1e9, "speedup_vs_fp32": fp32_gemv / t,
-                             "speedup_vs_dequant": unfused / t, "prefill_ms": prefill * 1e3,
-                             "prefill_vs_fp32": fp32_gemm / prefill}
+                    lut.dequantize(copies[i % len(copies)][0], threads, out=dense)), x_t), repeats, 1)
+                prefill = median_seconds(lambda i: lut.gemm(copies[i % len(copies)][0], xs, threads), repeats, 1)
+                row[name] = {"ms": t * 1e3, "gbs": weight.nbytes / t / 1e9, "stream_gbs": weight.nbytes / read / 1e9,
+                             "bw_ratio": read / t, "speedup_vs_fp32": fp32_gemv / t, "speedup_vs_dequant": unfused / t,
+                             "prefill_ms": prefill * 1e3, "prefill_vs_fp32": fp32_gemm / prefill}
                 advance()
-            row["stream_gbs"] = max(row["stream_gbs"], stream_gbs(lut, stream_buf, threads))
-            for name in FORMATS:
-                row[name]["bw_ratio"] = row[name]["gbs"] / row["stream_gbs"]
             result["threads"][str(threads)] = row
     finally:
         torch.set_num_threads(previous_threads)
@@ -111,13 +141,13 @@ def summarise(result: dict) -> dict:
     """Headline figures (all threads) at the top level, as `--json` promises; per-thread rows below."""
     rows = result["threads"]
     all_threads, single = rows[max(rows, key=int)], rows["1"]
-    keys = ("bw_ratio", "speedup_vs_fp32", "speedup_vs_dequant", "gbs", "ms")
+    keys = ("bw_ratio", "speedup_vs_fp32", "speedup_vs_dequant", "gbs", "stream_gbs", "ms")
     for name in FORMATS:
         result[name] = {key: all_threads[name][key] for key in keys}
         result[name]["single_thread"] = {key: single[name][key] for key in keys}
     result["prefill_vs_fp32"] = all_threads["int4"]["prefill_vs_fp32"]
     result["prefill_vs_fp32_int2"] = all_threads["int2"]["prefill_vs_fp32"]
-    result["stream_gbs"] = {t: row["stream_gbs"] for t, row in rows.items()}
+    result["stream_peak_gbs"] = {t: row["stream_peak_gbs"] for t, row in rows.items()}
     return result
 
 
@@ -125,7 +155,7 @@ def render(result: dict, console: Console) -> None:
     n, k = result["shape"]
     decode = Table(title=f"Decode: LUT-GEMV {n}×{k}, group {result['group']}, {result['kernel']} "
                          "(weights rotated through DRAM)")
-    for col in ("threads", "format", "ms", "GB/s", "of BW", "× fp32", "× dequant+fp32"):
+    for col in ("threads", "format", "ms", "GB/s", "read GB/s", "of BW", "× fp32", "× dequant+fp32"):
         decode.add_column(col, justify="right")
     prefill = Table(title=f"Prefill: fused LUT-dequant GEMM, M = {PREFILL_ROWS}")
     for col in ("threads", "format", "LUT ms", "fp32 ms", "× fp32"):
@@ -133,14 +163,14 @@ def render(result: dict, console: Console) -> None:
     for threads, row in result["threads"].items():
         for name in FORMATS:
             r = row[name]
-            decode.add_row(threads, name, f"{r['ms']:.3f}", f"{r['gbs']:.1f}", f"{r['bw_ratio']:.2f}",
+            decode.add_row(threads, name, f"{r['ms']:.3f}", f"{r['gbs']:.1f}", f"{r['stream_gbs']:.1f}", f"{r['bw_ratio']:.2f}",
                            f"{r['speedup_vs_fp32']:.1f}", f"{r['speedup_vs_dequant']:.1f}")
             prefill.add_row(threads, name, f"{r['prefill_ms']:.1f}", f"{row['fp32_gemm_ms']:.1f}",
                             f"{r['prefill_vs_fp32']:.2f}")
     console.print(decode)
     console.print(prefill)
     for threads, row in result["threads"].items():
-        console.print(f"threads={threads}: streaming read {row['stream_gbs']:.1f} GB/s, fp32 GEMV "
+        console.print(f"threads={threads}: peak streaming read {row['stream_peak_gbs']:.1f} GB/s, fp32 GEMV "
                       f"{row['fp32_gemv_ms']:.2f} ms")
     console.print("goals: ≥ 0.90 of BW (int4, int2); ≥ 6.5× (int4) and ≥ 10× (int2) fp32 GEMV; prefill ≥ 1× fp32")
     console.print(f"load average {result['load_before'][0]:.2f} before, {result['load_after'][0]:.2f} after, "

@@ -65,6 +65,7 @@ class EmulatedCalls:
 
     @staticmethod
     def _weight(w, m: int, table_bits: int = 8) -> tuple[tuple[int, ...], list]:
+        w.check()
         header = (m, w.row_blocks, w.shape[1], w.bits, w.group, table_bits, int(w.zeros is not None))
         return header, [w.tiles, w.scales] + ([] if w.zeros is None else [w.zeros])
 

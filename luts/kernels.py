@@ -83,11 +83,14 @@ def _ptr(a: np.ndarray | None) -> int | None:
 
 
 def _weight_args(w: TiledWeight) -> tuple:
-    return (_ptr(w.tiles), _ptr(w.scales), _ptr(w.zeros), w.row_blocks, w.shape[1], w.bits, w.group)
+    return (*w.addresses, w.row_blocks, w.shape[1], w.bits, w.group)
 
 
 class NativeCalls:
-    """The library's entry points, called in-process; each fills the output arrays it is given."""
+    """The library's entry points, called in-process; each fills the output arrays it is given.
+
+    A weight is checked (:meth:`TiledWeight.check`) when its addresses are first read.
+    """
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
@@ -147,7 +150,6 @@ class LutKernels:
     def gemv(self, w: TiledWeight, x: np.ndarray, table_bits: int = 8, threads: int | None = None,
              accumulators: bool = False):
         """y = x Wᵀ row by row through LUTs; with ``accumulators`` also the int32 A [..., N, G]."""
-        w.check()
         n, k = w.shape
         x = _activations(x, k)
         _check_table_bits(table_bits)
@@ -160,7 +162,6 @@ class LutKernels:
 
     def gemm(self, w: TiledWeight, x: np.ndarray, threads: int | None = None) -> np.ndarray:
         """y [M, N] = x [M, K] Wᵀ, dequantising W tile by tile (prefill)."""
-        w.check()
         n, k = w.shape
         x = _activations(x, k).reshape(-1, k)
         y = np.empty((x.shape[0], w.row_blocks * ROWS), np.float32)
@@ -172,7 +173,6 @@ class LutKernels:
 
         ``out`` (float32 [ceil(N/16)·16, K], C-contiguous) is filled instead of a new array.
         """
-        w.check()
         n, k = w.shape
         shape = (w.row_blocks * ROWS, k)
         if out is None:

@@ -17,6 +17,7 @@ Arrays (NB = ceil(N / 16); rows past N are zero codes with zero scale):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +62,16 @@ class TiledWeight:
                 raise WeightError(f"tiled {name} is {a.dtype}{list(a.shape)} but a {self.bits}-bit {self.shape[0]}×{k} "
                                   f"weight with group {self.group} needs contiguous {np.dtype(dtype)}{list(shape)}; "
                                   "re-tile it with npumoe.luts.layout.to_tiles.")
+
+    @functools.cached_property
+    def addresses(self) -> tuple[int, int, int | None]:
+        """Data addresses of tiles, scales and zeros for native code, read once after :meth:`check`.
+
+        Reading an address through numpy costs about a microsecond, which a decode step would
+        pay per weight per call; a frozen weight's arrays do not move.
+        """
+        self.check()
+        return tuple(None if a is None else a.ctypes.data for a in (self.tiles, self.scales, self.zeros))
 
     @property
     def nbytes(self) -> int:

@@ -47,7 +47,8 @@ def test_bench_command_reports_every_figure(capsys):
     result = json.loads(capsys.readouterr().out)
     for name in ("int4", "int2"):
         assert {"bw_ratio", "speedup_vs_fp32", "speedup_vs_dequant", "single_thread"} <= set(result[name])
-        assert result[name]["gbs"] > 0 and result[name]["speedup_vs_fp32"] > 0
+        assert result[name]["gbs"] > 0 and result[name]["speedup_vs_fp32"] > 0 and result[name]["stream_gbs"] > 0
+        assert result[name]["bw_ratio"] == pytest.approx(result[name]["gbs"] / result[name]["stream_gbs"])
     assert result["prefill_vs_fp32"] > 0 and result["kernel"] == "portable" and "1" in result["threads"]
 
 

@@ -104,12 +104,12 @@ static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w,
                 const kt_tables tables = load_tables(tq, kt);
 #pragma GCC unroll 8
                 for (int i = 0; i < bits; i++) {
-                    __builtin_prefetch(tile + LUT_PREFETCH + i * LUT_TILE_BYTES);
+                    lut_prefetch_line(tile + i * LUT_TILE_BYTES);
                     tile_dot(a, tile + i * LUT_TILE_BYTES, &tables, i);
                 }
             }
-            __builtin_prefetch(scales + 256); /* the small scale and zero streams, a few groups ahead */
-            if (zeros) __builtin_prefetch(zeros + 256);
+            __builtin_prefetch(scales + 256, 0, 2); /* the small scale and zero streams, a few groups ahead */
+            if (zeros) __builtin_prefetch(zeros + 256, 0, 2);
             const vf xq = f_set1((float)xqs[g]), half_ts = f_set1(t_scales[g] * 0.5f);
             for (int rv = 0; rv < RV; rv++) {
                 const vi sum = i_add(i_add(a[rv][0], a[rv][1]), i_add(a[rv][2], a[rv][3]));

@@ -135,6 +135,9 @@ class Weights(Mapping):
         self.spec = spec
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        return self._stored(name)
+
+    def _stored(self, name: str) -> torch.Tensor:
         if name == "lm_head.weight" and self.spec.tie_embeddings:
             return self._tensors["embed.weight"]
         return self._tensors[name]
@@ -146,4 +149,4 @@ class Weights(Mapping):
         return len(self._tensors)
 
     def nbytes(self, names) -> int:
-        return sum(self[n].numel() * self[n].element_size() for n in names)
+        return sum(self._stored(n).numel() * self._stored(n).element_size() for n in names)

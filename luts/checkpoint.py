@@ -14,8 +14,9 @@ What ``npumoe quantize`` writes and ``npumoe.load`` reads:
                        Other tensors keep their stored dtype.
     anything else      (tokenizer files, generation config) copied as is.
 
-On load every packed matrix is also dequantised to fp32 (:class:`QuantizedWeights`): the
-other backends lower those, the CPU executor runs the packed form through ``npumoe::lut_linear``.
+On load a packed matrix stays packed (:class:`QuantizedWeights`): the CPU executor runs it
+through ``npumoe::lut_linear``, and a backend that lowers fp32 weights gets it dequantised
+when it asks for it, so a loaded model holds its experts at their packed size.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def to_safetensors(tensors: dict[str, torch.Tensor], packed: dict[str, spec.Pack
 
 
 def read(path: Path, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, spec.Packed]]:
-    """(plain tensors with every packed matrix dequantised to fp32, packed matrices) of a checkpoint."""
+    """(plain tensors, packed matrices) of a checkpoint."""
     info = cfg[SECTION]
     if not isinstance(info, dict) or info.get("format") != FORMAT or info.get("version") != VERSION:
         raise WeightError(f"{path}/config.json has an {SECTION} section npumoe {VERSION} cannot read ({info!r}); "
@@ -80,9 +81,7 @@ def read(path: Path, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, spec
     if not isinstance(meta, dict):
         raise WeightError(f"{file} lacks its {METADATA_KEY!r} metadata, so its packed tensors cannot be checked; "
                           "re-run npumoe quantize.")
-    packed = {name: _packed(name, m, stored, file) for name, m in meta.items()}
-    tensors = {name: torch.from_numpy(spec.dequantize(p)) for name, p in packed.items()}
-    return stored | tensors, packed
+    return stored, {name: _packed(name, m, stored, file) for name, m in meta.items()}
 
 
 def _packed(name: str, meta: dict, stored: dict, file: Path) -> spec.Packed:
@@ -98,13 +97,19 @@ def _packed(name: str, meta: dict, stored: dict, file: Path) -> spec.Packed:
 
 
 class QuantizedWeights(Weights):
-    """Weights some of whose matrices are also held packed.
+    """Weights some of whose matrices are held only packed.
 
-    ``self[name]`` is the fp32 dequantised matrix; ``packed[name]`` the :class:`LutLinear`
-    the CPU executor runs instead of an fp32 ``linear``.
+    ``packed[name]`` is the :class:`LutLinear` the CPU executor runs instead of an fp32
+    ``linear``; ``self[name]`` dequantises it on each access (bit-identical to
+    :func:`npumoe.luts.spec.dequantize`), for backends that lower fp32 weights once.
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], model_spec: ModelSpec, packed: dict[str, spec.Packed],
                  source: str = ""):
-        super().__init__(tensors, model_spec, source)
+        shapes = {name: torch.empty(p.meta.shape, device="meta") for name, p in packed.items()}
+        super().__init__(tensors | shapes, model_spec, source)
         self.packed = {name: LutLinear(p) for name, p in packed.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        linear = self.packed.get(name)
+        return super().__getitem__(name) if linear is None else linear.dequantized()

@@ -88,6 +88,11 @@ class LutLinear(torch.nn.Module):
         weight = linear.weight.detach().to(torch.float32).numpy()
         return cls(spec.quantize_pack(weight, bits, group, symmetric), linear.bias)
 
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weight [out, in], through the kernels' LUT dequantiser."""
+        weight = _tiled(self.tiles, self.scales, self.zeros, self.bits, self.group, self.out_features, self.in_features)
+        return torch.from_numpy(_kernels().dequantize(weight, torch.get_num_threads()))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         args = (self.tiles, self.scales, self.zeros, self.bits, self.group, self.out_features, self.in_features)
         if _eager(x):  # skips the dispatcher: ~25 µs a call, a third of a small expert's decode GEMV

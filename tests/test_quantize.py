@@ -56,6 +56,8 @@ def test_checkpoint_holds_the_specs_packed_experts_and_the_rest_unchanged(source
         expected = spec.quantize_pack(original.weights[name].numpy(), 4, 64)
         assert np.array_equal(model.weights[name].numpy(), spec.dequantize(expected))
         assert isinstance(model.weights.packed[name], LutLinear) and model.weights.packed[name].bits == 4
+        assert model.weights._stored(name).is_meta  # no fp32 copy is held: dequantised only when asked for
+    assert model.weights.nbytes(names) == original.weights.nbytes(names)
     for name in model.weights:
         if name not in names:
             assert torch.equal(model.weights[name], original.weights[name])

@@ -103,9 +103,8 @@ class TorchGraphExecutor:
         kind = "lut_linear" if op.op == "linear" and refs[1] in packed else op.op
         if kind not in OP_IMPLS:
             raise NotImplementedError(f"the CPU executor has no implementation of IR op {op.op!r}")
-        args = [n if ref is None else weights[ref] for n, ref in zip(op.inputs, refs)]
-        if kind == "lut_linear":
-            args[1] = packed[refs[1]]
+        args = [n if ref is None else packed[ref] if kind == "lut_linear" and i == 1 else weights[ref]
+                for i, (n, ref) in enumerate(zip(op.inputs, refs))]
         return OP_IMPLS[kind], args, op.a, op.outputs
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

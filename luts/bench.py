@@ -6,7 +6,7 @@ with all of them:
     any last-level cache), so every call reads DRAM; effective GB/s (tiles + scales + zeros
     per call / time);
   * streaming-read bandwidth: a plain read of the same bytes (another copy of the weight,
-    with the kernels' own prefetching loop), timed alternately with the GEMV calls. The
+    by the library's bandwidth probe), timed alternately with the GEMV calls. The
     ratio of the two medians is the GEMV's share of the bandwidth. Alternating matters on a
     shared machine: from one pass to the next a read's bandwidth swings by a third here,
     so a median GEMV compared with the best of a few separate read passes reads about 0.8

@@ -103,6 +103,7 @@ class TorchGraphExecutor:
         kind = "lut_linear" if op.op == "linear" and refs[1] in packed else op.op
         if kind not in OP_IMPLS:
             raise NotImplementedError(f"the CPU executor has no implementation of IR op {op.op!r}")
+        # (the packed matrix itself, not weights[ref], which would dequantise it for nothing)
         args = [n if ref is None else packed[ref] if kind == "lut_linear" and i == 1 else weights[ref]
                 for i, (n, ref) in enumerate(zip(op.inputs, refs))]
         return OP_IMPLS[kind], args, op.a, op.outputs

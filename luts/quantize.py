@@ -19,7 +19,7 @@ from npumoe.core.io import atomic_write_bytes, atomic_write_text
 from npumoe.core.weights import Weights, expected_shapes
 from npumoe.errors import InputError
 from npumoe.luts import checkpoint, spec
-from npumoe.models.loader import PICKLE_SUFFIXES, read_config, read_tensors, refuse_quantized
+from npumoe.models.loader import PICKLE_SUFFIXES, is_gptq, read_config, read_tensors, refuse_quantized
 from npumoe.models.registry import adapter_for
 
 
@@ -29,6 +29,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int,
     cfg = read_config(src)
     if checkpoint.SECTION in cfg:
         raise InputError(f"{src} is already quantised by npumoe; quantise the original checkpoint instead.")
+    if is_gptq(cfg):
+        raise InputError(f"{src} is a GPTQ export, which npumoe loads as it is (routed experts run packed on the LUT "
+                         "kernels); quantise the original checkpoint instead to choose other bits.")
     refuse_quantized(cfg)
     adapter = adapter_for(cfg.get("model_type"))
     model_spec = adapter.spec(cfg)

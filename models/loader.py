@@ -79,15 +79,35 @@ def read_tensors(path: Path, adapter) -> dict[str, torch.Tensor]:
 
 
 def refuse_quantized(cfg: dict) -> None:
-    """Quantized checkpoints (FP8 DeepSeek-V3, MXFP4 gpt-oss, GPTQ, ...) store scales beside
-    their weights; reading the weights alone would be a silent wrong answer."""
+    """Quantized checkpoints other than GPTQ (FP8 DeepSeek-V3, MXFP4 gpt-oss, AWQ, ...) store
+    scales beside their weights; reading the weights alone would be a silent wrong answer."""
     quant = cfg.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "an unknown method") if isinstance(quant, dict) else quant
         raise UnsupportedModelError(
-            f"this checkpoint is quantized ({method}); npumoe needs unquantized bf16/fp16/fp32 weights, "
-            "so use a dequantized copy of the model."
+            f"this checkpoint is quantized ({method}); npumoe reads unquantized bf16/fp16/fp32 weights and "
+            "GPTQ exports, so use a dequantized copy of the model."
         )
+
+
+def is_gptq(cfg: dict) -> bool:
+    quant = cfg.get("quantization_config")
+    return isinstance(quant, dict) and quant.get("quant_method") == "gptq"
+
+
+def _read_weights(path: Path, cfg: dict, adapter, spec: ModelSpec) -> Weights:
+    if is_gptq(cfg):  # a Hugging Face GPTQ export: its routed experts are already LUT-ready codes
+        from npumoe.luts.checkpoint import QuantizedWeights
+        from npumoe.luts.gptq_checkpoint import read
+
+        tensors, packed = read(path, cfg, adapter, spec)
+        return QuantizedWeights(tensors, spec, packed, source=str(path))
+    if QUANTIZED in cfg:  # npumoe's own low-bit checkpoint (npumoe quantize)
+        from npumoe.luts.checkpoint import QuantizedWeights, read
+
+        tensors, packed = read(path, cfg)
+        return QuantizedWeights(tensors, spec, packed, source=str(path))
+    return Weights(read_tensors(path, adapter), spec, source=str(path))
 
 
 def load(path: str | Path | None = None) -> Model:
@@ -95,13 +115,8 @@ def load(path: str | Path | None = None) -> Model:
     path = Path(path) if path is not None else DEMO_DIR
     cfg = read_config(path)
     adapter = adapter_for(cfg.get("model_type"))
-    refuse_quantized(cfg)
+    if not is_gptq(cfg):
+        refuse_quantized(cfg)
     spec = adapter.spec(cfg)
-    if QUANTIZED in cfg:  # npumoe's own low-bit checkpoint (npumoe quantize)
-        from npumoe.luts.checkpoint import QuantizedWeights, read
-
-        tensors, packed = read(path, cfg)
-        weights = QuantizedWeights(tensors, spec, packed, source=str(path))
-    else:
-        weights = Weights(read_tensors(path, adapter), spec, source=str(path))
+    weights = _read_weights(path, cfg, adapter, spec)
     return Model(spec=spec, weights=weights, config=cfg, path=path, tokenizer=load_tokenizer(path))

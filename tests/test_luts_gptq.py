@@ -3,17 +3,9 @@
 import numpy as np
 import pytest
 
+from gptq_pack import pack_words
 from npumoe.errors import WeightError
 from npumoe.luts import gptq, spec
-
-
-def pack_words(values: np.ndarray, bits: int) -> np.ndarray:
-    """Rows of b-bit values → int32 words: value j at bits b·j.. of the row's stream (GPTQ's packing)."""
-    rows = []
-    for row in values:
-        stream = sum(int(v) << (bits * j) for j, v in enumerate(row))
-        rows.append([(stream >> (32 * w)) & 0xFFFFFFFF for w in range(len(row) * bits // 32)])
-    return np.array(rows, dtype=np.uint32).view(np.int32)
 
 
 def gptq_tensors(bits, n=64, k=256, group=64, version="v2", seed=0):

@@ -148,11 +148,12 @@ def test_requantising_and_clobbering_are_refused(source, quantized, tmp_path):
         quantize_checkpoint(source, tmp_path, 4, 64)
 
 
-def test_foreign_quantisation_configs_are_still_refused(source, tmp_path):
+@pytest.mark.parametrize("method, match", [("awq", "quantized \\(awq\\)"), ("gptq", "GPTQ with one scale per output row")])
+def test_foreign_quantisation_configs_are_still_refused(source, tmp_path, method, match):
     quantize_checkpoint(source, tmp_path, 4, 64)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(cfg | {"quantization_config": {"quant_method": "gptq"}}))
-    with pytest.raises(UnsupportedModelError, match="quantized \\(gptq\\)"):
+    (tmp_path / "config.json").write_text(json.dumps(cfg | {"quantization_config": {"quant_method": method}}))
+    with pytest.raises(UnsupportedModelError, match=match):
         npumoe.load(tmp_path)
 
 

@@ -53,6 +53,18 @@ def test_export_keeps_the_custom_op(layer):
     torch.library.opcheck(torch.ops.npumoe.lut_linear, (x, module.tiles, module.scales, module.zeros, 4, 64, 40))
 
 
+def test_module_follows_buffers_that_are_replaced(layer):
+    """The kernels' view of the buffers is kept between calls, so it must notice new buffers."""
+    linear, _ = layer
+    module = torch_op.LutLinear.from_linear(linear, bits=4, group=64)
+    other = torch_op.LutLinear.from_linear(torch.nn.Linear(256, 40), bits=4, group=64)
+    x = torch.randn(1, 256)
+    before = module(x)
+    module.tiles, module.scales, module.zeros, module.bias = other.tiles, other.scales, other.zeros, other.bias
+    assert torch.equal(module(x), other(x)) and not torch.equal(module(x), before)
+    assert torch.equal(module.dequantized(), other.dequantized())
+
+
 def test_wrong_input_width_is_refused(layer):
     _, module = layer
     with pytest.raises(InputError, match="do not fit a weight with 256 inputs"):

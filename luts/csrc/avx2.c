@@ -11,6 +11,7 @@
 
 #define ISA(name) name##_avx2
 #define W 8
+#define ACC 4
 #define GEMM_MR AVX2_MR
 #define GEMM_ROW_BLOCKS 1 /* 6 × 16 microkernel: 12 accumulators */
 
@@ -80,7 +81,7 @@ static inline __m256i lookup_by_position(const __m256i table[4], __m256i idx) {
     return _mm256_blendv_epi8(r01, r23, high);
 }
 
-static inline __attribute__((always_inline)) void tile_dot(vi a[][4], const uint8_t *tile, const kt_tables *t, int i) {
+static inline __attribute__((always_inline)) void tile_dot(vi a[][ACC], const uint8_t *tile, const kt_tables *t, int i) {
     const __m256i weight = _mm256_set1_epi8((char)(1 << i)), ones = _mm256_set1_epi16(1);
     for (int rv = 0; rv < 2; rv++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(tile + 32 * rv));

@@ -11,6 +11,7 @@
 
 #define ISA(name) name##_neon
 #define W 4
+#define ACC 4
 #define GEMM_MR NEON_MR
 #define GEMM_ROW_BLOCKS 1 /* 4 × 16 microkernel: 16 accumulators */
 
@@ -70,7 +71,7 @@ static inline kt_tables load_tables(const void *tq, int kt) {
     return t;
 }
 
-static inline __attribute__((always_inline)) void tile_dot(vi a[][4], const uint8_t *tile, const kt_tables *t, int i) {
+static inline __attribute__((always_inline)) void tile_dot(vi a[][ACC], const uint8_t *tile, const kt_tables *t, int i) {
     const uint8x16_t positions = vreinterpretq_u8_u32(vdupq_n_u32(0x30201000)), nibble = vdupq_n_u8(0x0F);
     for (int rv = 0; rv < 4; rv++) {
         const uint8x16_t v = vld1q_u8(tile + 16 * rv);

@@ -14,8 +14,9 @@
  *   i_nibble(v, h)                nibble h (0 low, 1 high) of every byte
  *   i_byte(v, p)                  byte p of every 32-bit lane, zero-extended
  *   store_run(dst, t[16/W], inv)  16 table entries · inv, rounded half-even, as int8
- *   kt_tables load_tables(tq, kt) and tile_dot(a[RV][4], tile, &tables, i): the GEMV core,
- *     adding 2^i · (row's four looked-up bytes, low and high nibbles) into int32 lanes
+ *   kt_tables load_tables(tq, kt) and tile_dot(a[RV][ACC], tile, &tables, i): the GEMV core,
+ *     adding 2^i · (row's four looked-up bytes, low and high nibbles) into int32 lanes, spread
+ *     over ACC accumulators per row vector (summed at the end of each group)
  *   GEMM_ROW_BLOCKS, GEMM_MR      microkernel shape: MR activations × 16·GEMM_ROW_BLOCKS rows
  */
 #include <string.h>
@@ -98,8 +99,9 @@ static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w,
         vf out[RV];
         for (int rv = 0; rv < RV; rv++) out[rv] = f_zero();
         for (int g = 0; g < groups; g++, scales += LUT_ROWS, zeros = zeros ? zeros + LUT_ROWS : NULL) {
-            vi a[RV][4];
-            for (int rv = 0; rv < RV; rv++) a[rv][0] = a[rv][1] = a[rv][2] = a[rv][3] = i_zero();
+            vi a[RV][ACC];
+            for (int rv = 0; rv < RV; rv++)
+                for (int j = 0; j < ACC; j++) a[rv][j] = i_zero();
             for (int kt = g * tiles_per_group; kt < (g + 1) * tiles_per_group; kt++, tile += bits * LUT_TILE_BYTES) {
                 const kt_tables tables = load_tables(tq, kt);
 #pragma GCC unroll 8
@@ -112,7 +114,8 @@ static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w,
             if (zeros) __builtin_prefetch(zeros + 256, 0, 2);
             const vf xq = f_set1((float)xqs[g]), half_ts = f_set1(t_scales[g] * 0.5f);
             for (int rv = 0; rv < RV; rv++) {
-                const vi sum = i_add(i_add(a[rv][0], a[rv][1]), i_add(a[rv][2], a[rv][3]));
+                vi sum = a[rv][0];
+                for (int j = 1; j < ACC; j++) sum = i_add(sum, a[rv][j]);
                 if (acc) {
                     int32_t lanes[W];
                     memcpy(lanes, &sum, sizeof lanes);

@@ -35,38 +35,49 @@
     default: call(8); break;            \
     }
 
+/* The fp32 table entries of one group's runs into t, returning their largest magnitude. */
+static inline __attribute__((always_inline)) float group_entries(const float *x, int runs, const float minus[4][16],
+                                                                 const float *mirror, vf t[][EV]) {
+    vf amax = f_zero();
+    for (int c = 0; c < runs; c++) {
+        const float *xc = x + (size_t)c * 4;
+        for (int v = 0; v < EV; v++) {
+            vf e = f_set1(xc[0]); /* odd entries left to right; even ones negated */
+            for (int j = 1; j < 4; j++) e = f_add(e, f_xor(f_set1(xc[j]), f_load(minus[j] + v * W)));
+            t[c][v] = f_xor(e, f_load(mirror + v * W));
+            amax = f_max(amax, f_abs(t[c][v]));
+        }
+    }
+    return f_reduce_max(amax);
+}
+
+/* Groups are built one ahead of their quantisation, so the wait for each group's maximum and
+ * scale (a reduction and two divisions) overlaps the next group's entries. */
 void ISA(tables)(const float *x, int k, int group, int table_bits, void *tq_out, float *t_scales, int32_t *xq) {
     (void)table_bits; /* 8 only: 16-bit tables take the portable path */
     int8_t *tq = tq_out;
-    const int runs = group / 4;
+    const int runs = group / 4, groups = k / group;
     float minus[4][16], mirror[16]; /* −0.0 where entry e (via its odd partner) subtracts x_j; where e is even */
     for (int e = 0; e < 16; e++) {
         const int partner = e & 1 ? e : 15 - e;
         for (int j = 1; j < 4; j++) minus[j][e] = (partner >> j) & 1 ? 0.0f : -0.0f;
         mirror[e] = e & 1 ? 0.0f : -0.0f;
     }
-    vf t[128 / 4][EV];
-    for (int g = 0; g < k / group; g++) {
-        vf amax = f_zero();
-        for (int c = 0; c < runs; c++) {
-            const float *xc = x + (size_t)(g * runs + c) * 4;
-            for (int v = 0; v < EV; v++) {
-                vf e = f_set1(xc[0]); /* odd entries left to right; even ones negated */
-                for (int j = 1; j < 4; j++) e = f_add(e, f_xor(f_set1(xc[j]), f_load(minus[j] + v * W)));
-                t[c][v] = f_xor(e, f_load(mirror + v * W));
-                amax = f_max(amax, f_abs(t[c][v]));
-            }
-        }
-        const float am = f_reduce_max(amax);
+    vf t[2][128 / 4][EV];
+    float am = group_entries(x, runs, minus, mirror, t[0]);
+    for (int g = 0; g < groups; g++) {
+        const float next =
+            g + 1 < groups ? group_entries(x + (size_t)(g + 1) * group, runs, minus, mirror, t[(g + 1) & 1]) : 0.0f;
         const vf inv = f_set1(am > 0.0f ? 127.0f / am : 0.0f);
         t_scales[g] = am / 127.0f;
         int32_t sum = 0;
         for (int c = 0; c < runs; c++) {
             int8_t *run = tq + (size_t)(g * runs + c) * 16;
-            store_run(run, t[c], inv);
+            store_run(run, t[g & 1][c], inv);
             sum += run[15];
         }
         xq[g] = sum;
+        am = next;
     }
 }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from npumoe.core.spec import ModelSpec, MoESpec
 from npumoe.core.weights import attention_shapes, expected_shapes, mlp_shapes
-from npumoe.models.loader import DEMO_DIR, load
+from npumoe.models.loader import DEMO_DIR, is_gptq, load
 from rich.console import Console
 from rich.table import Table
 
@@ -89,6 +89,12 @@ def inspect_command(model_dir: str):
         f"fp32 {_human(counts['total'] * 4, 'B')}, fp16 {_human(counts['total'] * 2, 'B')}, "
         f"on disk {_human(disk, 'B')}"
     )
+    packed = getattr(model.weights, "packed", {})
+    if packed:
+        formats = ", ".join(f"{bits}-bit group {group}" for bits, group in sorted({(m.bits, m.group)
+                                                                                  for m in packed.values()}))
+        source = "a GPTQ export" if is_gptq(model.config) else "npumoe quantize"
+        console.print(f"{len(packed)} routed-expert matrices packed for the LUT kernels ({formats}; from {source})")
     table = Table("layers", "attention", "ffn", "experts", "router", "expert size (fp16)")
     groups: dict[tuple, list[int]] = {}
     for i, ls in enumerate(spec.layers):

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 import npumoe
 from gptq_pack import pack_words
 from hf_compare import build_checkpoint, edit_config, transformers
+from npumoe.cli import main
 from npumoe.errors import InputError, UnsupportedModelError, WeightError
 from npumoe.luts import checkpoint, gptq
 from npumoe.luts.quantize import quantize_checkpoint
@@ -122,6 +123,13 @@ def test_damaged_gptq_layers_are_named(source, tmp_path):
         save_file(damaged, str(file))
         with pytest.raises((WeightError, UnsupportedModelError), match=match):
             npumoe.load(tmp_path / "gptq")
+
+
+def test_inspect_names_the_packed_experts(source, tmp_path, capsys):
+    write_gptq(source, tmp_path / "gptq", tmp_path / "ref", bits=4, group=32)
+    main(["inspect", str(tmp_path / "gptq")])
+    assert "24 routed-expert matrices packed for the LUT kernels (4-bit group 32; from a GPTQ export)" in " ".join(
+        capsys.readouterr().out.split())
 
 
 def test_quantize_explains_that_a_gptq_export_needs_none(source, tmp_path):

@@ -5,12 +5,13 @@ with all of them:
   * LUT-GEMV: median time per call with the weights rotated through 160 MB (more than
     any last-level cache), so every call reads DRAM; effective GB/s (tiles + scales + zeros
     per call / time);
-  * streaming-read bandwidth: a plain read of the same bytes (another copy of the weight,
-    by the library's bandwidth probe), timed alternately with the GEMV calls. The
-    ratio of the two medians is the GEMV's share of the bandwidth. Alternating matters on a
-    shared machine: from one pass to the next a read's bandwidth swings by a third here,
-    so a median GEMV compared with the best of a few separate read passes reads about 0.8
-    even for a kernel that is a pure read. The best 256 MB read pass is printed as the peak;
+  * streaming-read bandwidth: a plain read of the same bytes (another copy of the weight),
+    timed alternately with the GEMV calls, once left to the hardware prefetchers and once
+    with software prefetch; the faster read's median over the GEMV's is the GEMV's share of
+    the bandwidth. Alternating matters on a shared machine: from one pass to the next a
+    read's bandwidth swings by a third here, so a median GEMV compared with the best of a
+    few separate read passes reads about 0.8 even for a kernel that is a pure read. The
+    best 256 MB read pass is printed as the peak;
   * speedups over an fp32 GEMV (torch, rotated fp32 copies) and over dequantise-then-GEMV
     (the kernels' LUT dequantiser writing fp32 W, then the same fp32 GEMV);
   * prefill, M = 64: the fused LUT-dequant GEMM against an fp32 GEMM (torch).
@@ -36,6 +37,7 @@ from npumoe.luts.kernels import default_threads, kernels
 STREAM_BYTES = 256 * 2**20
 FORMATS = {"int4": 4, "int2": 2}
 PREFILL_ROWS = 64
+READ_PREFETCHES = (0, 8192)  # the probe's two read loops: hardware prefetch only, and L2 prefetch 8 KB ahead
 
 
 def median_seconds(fn, calls: int, warmup: int) -> float:
@@ -57,7 +59,7 @@ def timings(*fns, calls: int, warmup: int) -> list[list[float]]:
 
 
 def copies_for(nbytes: int, rotate_bytes: int) -> int:
-    return max(2, -(-rotate_bytes // nbytes))
+    return max(3, -(-rotate_bytes // nbytes))
 
 
 def rotated_tiles(packed: spec.Packed, rotate_bytes: int) -> list[tuple[layout.TiledWeight, np.ndarray]]:
@@ -84,19 +86,22 @@ def rotated_tiles(packed: spec.Packed, rotate_bytes: int) -> list[tuple[layout.T
 
 def peak_stream_gbs(lut, buf: np.ndarray, threads: int) -> float:
     """The best of several 256 MB read passes: what this machine reaches at its quietest."""
-    return buf.nbytes / min(timings(lambda i: lut.stream_read(buf, threads), calls=7, warmup=1)[0]) / 1e9
+    reads = [lambda i, p=p: lut.stream_read(buf, threads, p) for p in READ_PREFETCHES]
+    return buf.nbytes / min(min(t) for t in timings(*reads, calls=7, warmup=1)) / 1e9
 
 
 def gemv_against_stream(lut, copies, x, threads: int, calls: int) -> tuple[float, float]:
-    """Median seconds of a LUT-GEMV and of a plain read of the same bytes, alternated.
+    """Median seconds of a LUT-GEMV and of the faster plain read of the same bytes, alternated.
 
-    The read takes the copy half a rotation away, so neither finds the other's lines in cache.
+    Each call takes a copy a third of the rotation away from the others', so none finds the
+    lines another call just read still in cache.
     """
-    half = len(copies) // 2
-    gemv, read = timings(lambda i: lut.gemv(copies[i % len(copies)][0], x, threads=threads),
-                         lambda i: lut.stream_read(copies[(i + half) % len(copies)][1], threads),
-                         calls=calls, warmup=len(copies))
-    return float(np.median(gemv)), float(np.median(read))
+    n, step = len(copies), len(copies) // 3
+    reads = [lambda i, j=j, p=p: lut.stream_read(copies[(i + j * step) % n][1], threads, p)
+             for j, p in enumerate(READ_PREFETCHES, start=1)]
+    gemv, *read = timings(lambda i: lut.gemv(copies[i % n][0], x, threads=threads), *reads,
+                          calls=calls, warmup=len(copies))
+    return float(np.median(gemv)), min(float(np.median(t)) for t in read)
 
 
 def run(n: int, k: int, group: int, repeats: int, kernel: str | None, rotate_bytes: int, advance) -> dict:

@@ -32,7 +32,7 @@ _SIGNATURES = {
     "npumoe_lut_gemv": ([_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _I], ctypes.c_int),
     "npumoe_lut_dequant": ([_P, _P, _P, _I, _I, _I, _I, _P, _I], None),
     "npumoe_lut_gemm": ([_P, _I, _P, _P, _P, _I, _I, _I, _I, _P, _I], ctypes.c_int),
-    "npumoe_stream_read": ([_P, ctypes.c_size_t, _I], ctypes.c_uint64),
+    "npumoe_stream_read": ([_P, ctypes.c_size_t, _I, ctypes.c_size_t], ctypes.c_uint64),
 }
 
 
@@ -112,8 +112,8 @@ class NativeCalls:
         if self.lib.npumoe_lut_gemm(_ptr(x), x.shape[0], *_weight_args(w), _ptr(y), threads):
             raise MemoryError("the LUT GEMM could not allocate its transposed activations")
 
-    def stream_read(self, buf, threads) -> int:
-        return self.lib.npumoe_stream_read(_ptr(buf), buf.nbytes, threads)
+    def stream_read(self, buf, threads, prefetch) -> int:
+        return self.lib.npumoe_stream_read(_ptr(buf), buf.nbytes, threads, prefetch)
 
 
 def _activations(x, k: int) -> np.ndarray:
@@ -185,6 +185,7 @@ class LutKernels:
         self.calls.dequantize(w, out, threads or default_threads())
         return out[:n]
 
-    def stream_read(self, buf: np.ndarray, threads: int | None = None) -> int:
-        """Read ``buf`` once (the bandwidth probe); returns a checksum so the read is not optimised away."""
-        return self.calls.stream_read(buf, threads or default_threads())
+    def stream_read(self, buf: np.ndarray, threads: int | None = None, prefetch: int = 0) -> int:
+        """Read ``buf`` once (the bandwidth probe), each line prefetched into L2 ``prefetch`` bytes ahead
+        (0: hardware prefetchers only); returns a checksum so the read is not optimised away."""
+        return self.calls.stream_read(buf, threads or default_threads(), prefetch)

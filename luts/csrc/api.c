@@ -146,13 +146,9 @@ NPUMOE_API int npumoe_lut_gemm(const float *x, int m, const uint8_t *tiles, cons
     return 0;
 }
 
-/* The bandwidth probe's read loop prefetches each line into L2 8 KB ahead: of the schemes
- * tried on Zen 4 (none; L1 or L2, 4-32 KB ahead; the GEMV's two-level one) the fastest. */
-#define STREAM_PREFETCH 8192
-
 typedef struct {
     const uint64_t *words;
-    size_t count;
+    size_t count, prefetch_words;
     uint64_t sums[LUT_MAX_THREADS];
 } stream_job;
 
@@ -163,7 +159,7 @@ static void stream_range(void *ctx, int part0, int part1) {
         uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
         size_t i = begin;
         for (; i + 8 <= end; i += 8) {
-            __builtin_prefetch(job->words + i + STREAM_PREFETCH / sizeof(uint64_t), 0, 2);
+            if (job->prefetch_words) __builtin_prefetch(job->words + i + job->prefetch_words, 0, 2);
             s0 ^= job->words[i] ^ job->words[i + 4], s1 ^= job->words[i + 1] ^ job->words[i + 5];
             s2 ^= job->words[i + 2] ^ job->words[i + 6], s3 ^= job->words[i + 3] ^ job->words[i + 7];
         }
@@ -172,9 +168,10 @@ static void stream_range(void *ctx, int part0, int part1) {
     }
 }
 
-/* Read `bytes` once with `threads` threads: the machine's streaming-read bandwidth probe. */
-NPUMOE_API uint64_t npumoe_stream_read(const void *buf, size_t bytes, int threads) {
-    stream_job job = {buf, bytes / sizeof(uint64_t), {0}};
+/* Read `bytes` once with `threads` threads, each line prefetched into L2 `prefetch` bytes ahead
+ * (0: left to the hardware prefetchers): the machine's streaming-read bandwidth probe. */
+NPUMOE_API uint64_t npumoe_stream_read(const void *buf, size_t bytes, int threads, size_t prefetch) {
+    stream_job job = {buf, bytes / sizeof(uint64_t), prefetch / sizeof(uint64_t), {0}};
     lut_parallel(stream_range, &job, LUT_MAX_THREADS, threads);
     uint64_t s = 0;
     for (int i = 0; i < LUT_MAX_THREADS; i++) s ^= job.sums[i];

@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from npumoe.core.spec import ModelSpec
 from npumoe.core.weights import expected_shapes
@@ -46,16 +45,10 @@ def options(cfg: dict, path: Path) -> tuple[int, int, str]:
 
 def read(path: Path, cfg: dict, adapter, model_spec: ModelSpec) -> tuple[dict[str, torch.Tensor], dict[str, spec.Packed]]:
     """(plain tensors, packed routed experts) of a GPTQ checkpoint, under canonical names."""
-    from npumoe.models.loader import safetensors_files
+    from npumoe.models.loader import stored_tensors
 
     bits, group, version = options(cfg, path)
-    stored = {}
-    for file in safetensors_files(path):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                stored |= {key: f.get_tensor(key) for key in f.keys()}
-        except SafetensorError as err:
-            raise WeightError(f"{file.name} is not a readable safetensors file ({err}).") from err
+    stored = dict(stored_tensors(path))
     routed, wanted = set(quantized_names(model_spec)), expected_shapes(model_spec)
     tensors, packed = {}, {}
     for prefix in [key[: -len(".qweight")] for key in stored if key.endswith(".qweight")]:

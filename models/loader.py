@@ -66,15 +66,21 @@ def safetensors_files(path: Path) -> list[Path]:
     raise WeightError(f"{path} has no *.safetensors weights.")
 
 
-def read_tensors(path: Path, adapter) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
+def stored_tensors(path: Path):
+    """(name as stored, tensor) for every tensor in the directory's safetensors files."""
     for file in safetensors_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
-                    tensors.update(adapter.canonical(key, f.get_tensor(key)))
+                    yield key, f.get_tensor(key)
         except SafetensorError as err:
             raise WeightError(f"{file.name} is not a readable safetensors file ({err}).") from err
+
+
+def read_tensors(path: Path, adapter) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for key, tensor in stored_tensors(path):
+        tensors.update(adapter.canonical(key, tensor))
     return tensors
 
 

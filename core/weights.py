@@ -150,3 +150,9 @@ class Weights(Mapping):
 
     def nbytes(self, names) -> int:
         return sum(self._stored(n).numel() * self._stored(n).element_size() for n in names)
+
+
+def weight_shape(weights: Mapping[str, torch.Tensor], name: str) -> torch.Size:
+    """A weight's shape. Backends take any mapping; a :class:`Weights` answers without
+    materialising the tensor, which for a packed matrix would mean dequantising it."""
+    return weights._stored(name).shape if isinstance(weights, Weights) else weights[name].shape

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 import npumoe
 from npumoe.cli import main
-from npumoe.core.weights import Weights
+from npumoe.core.weights import Weights, weight_shape
 from npumoe.errors import BackendUnavailableError, InputError, UnsupportedModelError, WeightError
 from npumoe.luts import checkpoint, kernels, spec, torch_op
 from npumoe.luts.quantize import quantize_checkpoint
@@ -58,6 +58,9 @@ def test_checkpoint_holds_the_specs_packed_experts_and_the_rest_unchanged(source
         assert isinstance(model.weights.packed[name], LutLinear) and model.weights.packed[name].bits == 4
         assert model.weights._stored(name).is_meta  # no fp32 copy is held: dequantised only when asked for
     assert model.weights.nbytes(names) == original.weights.nbytes(names)
+    with pytest.MonkeyPatch.context() as patch:  # backends' shape queries must not dequantise
+        patch.setattr(LutLinear, "dequantized", lambda self: pytest.fail("a shape query dequantised"))
+        assert all(weight_shape(model.weights, n) == original.weights[n].shape for n in names)
     for name in model.weights:
         if name not in names:
             assert torch.equal(model.weights[name], original.weights[name])

@@ -25,6 +25,7 @@ from npumoe.backends.apple_ane.kvstate import STATE_NAMES, KVState
 from npumoe.backends.apple_ane.rules import POSITION_INPUT
 from npumoe.backends.cpu.executor import OP_IMPLS
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op
+from npumoe.core.weights import weight_shape
 
 HOST_TABLES = frozenset({"cos", "sin", "mask"})  # 2-D inputs the host builds; every other 2-D I/O is [S, C]
 NEW_KV = {"k_cache": "k_new", "v_cache": "v_new"}
@@ -53,7 +54,7 @@ def infer_shapes(graph: Graph, weights: Mapping[str, torch.Tensor]) -> dict[str,
     """Every value's logical shape, from the reference op implementations on the meta device."""
     env = {n: torch.empty(t.shape, device="meta") for n, t in graph.inputs.items()}
     for op in graph.ops:
-        args = [torch.empty(weights[n[len(WEIGHT_PREFIX):]].shape, device="meta") if n.startswith(WEIGHT_PREFIX)
+        args = [torch.empty(weight_shape(weights, n[len(WEIGHT_PREFIX):]), device="meta") if n.startswith(WEIGHT_PREFIX)
                 else env[n] for n in op.inputs]
         out = OP_IMPLS[op.op](*args, **op.a)
         env.update(zip(op.outputs, out if isinstance(out, tuple) else (out,)))

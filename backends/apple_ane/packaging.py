@@ -23,6 +23,7 @@ from npumoe.backends.apple_ane.compress import precision_for, scheme
 from npumoe.backends.apple_ane.kvstate import KVState
 from npumoe.backends.apple_ane.rules import MAX_PACKAGE_BYTES
 from npumoe.core.ir import Graph
+from npumoe.core.weights import weight_shape
 from npumoe.errors import InputError
 
 
@@ -61,7 +62,7 @@ def plan_packages(graphs: list[Graph], weights: Mapping, precision: str, platfor
         shards: list[tuple[list[Graph], int]] = []
         bits = scheme(precision_for(members[0].kind, precision)).bits
         for unit in _units(members):
-            size = math.ceil(sum(weights[n].numel() for n in unit[0].weight_names()) * bits / 8)
+            size = math.ceil(sum(math.prod(weight_shape(weights, n)) for n in unit[0].weight_names()) * bits / 8)
             if size > limit:
                 raise InputError(
                     f"graph {unit[0].name} needs {size / 1e9:.2f} GB of weights but an ANE package may hold "

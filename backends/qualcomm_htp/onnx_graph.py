@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op
+from npumoe.core.weights import weight_shape
 
 OPSET = 21  # blocked DequantizeLinear (int4 QDQ) needs 21; QNN 2.51 accepts 13-28
 DTYPE = np.float32
@@ -193,7 +194,7 @@ def _shapes(graph: Graph, weights: Mapping[str, torch.Tensor]) -> dict[str, tupl
 
     env = {n: torch.empty(t.shape, device="meta") for n, t in graph.inputs.items()}
     for op in graph.ops:
-        args = [torch.empty(weights[v[len(WEIGHT_PREFIX):]].shape, device="meta") if v.startswith(WEIGHT_PREFIX)
+        args = [torch.empty(weight_shape(weights, v[len(WEIGHT_PREFIX):]), device="meta") if v.startswith(WEIGHT_PREFIX)
                 else env[v] for v in op.inputs]
         env[op.outputs[0]] = OP_IMPLS[op.op](*args, **op.a)
     return {n: tuple(t.shape) for n, t in env.items()}

@@ -72,8 +72,8 @@ class EmulatedCalls:
     def tables(self, x, group, table_bits, tq, t_scales, xq):
         self._run("tables", (1, 0, x.shape[0], 0, group, table_bits, 0), [x], [tq, t_scales, xq])
 
-    def gemv(self, w, x, table_bits, y, acc, threads):
-        header, arrays = self._weight(w, x.shape[0], table_bits)
+    def gemv(self, w, x, rows, table_bits, y, acc, threads):
+        header, arrays = self._weight(w, rows, table_bits)
         acc = np.empty((*y.shape, w.groups), np.int32) if acc is None else acc
         self._run("gemv", header, [x, *arrays], [y, acc])
 

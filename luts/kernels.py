@@ -18,20 +18,20 @@ import numpy as np
 
 from npumoe.errors import BackendUnavailableError, InputError
 from npumoe.luts import build, spec
-from npumoe.luts.layout import ROWS, TiledWeight
+from npumoe.luts.layout import ROWS, NativeWeight, TiledWeight
 
 PREFERENCE = ("avx512", "avx2", "neon", "portable")
 FEATURE_BITS = {"avx2": 1, "avx512": 2, "neon": 4}
 NEEDS = {"avx2": "AVX2, FMA and F16C", "avx512": "AVX-512 F/BW/VL/DQ with VBMI and VNNI", "neon": "an AArch64 CPU"}
 
-_P, _I = ctypes.c_void_p, ctypes.c_int
+_P, _I, _W = ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(NativeWeight)
 _SIGNATURES = {
     "npumoe_lut_isa": ([], ctypes.c_char_p),
     "npumoe_cpu_features": ([], ctypes.c_uint),
     "npumoe_lut_tables": ([_P, _I, _I, _I, _P, _P, _P], None),
-    "npumoe_lut_gemv": ([_P, _I, _P, _P, _P, _I, _I, _I, _I, _I, _P, _P, _I], ctypes.c_int),
-    "npumoe_lut_dequant": ([_P, _P, _P, _I, _I, _I, _I, _P, _I], None),
-    "npumoe_lut_gemm": ([_P, _I, _P, _P, _P, _I, _I, _I, _I, _P, _I], ctypes.c_int),
+    "npumoe_lut_gemv": ([_W, _P, _I, _I, _P, _P, _I], ctypes.c_int),
+    "npumoe_lut_dequant": ([_W, _P, _I], None),
+    "npumoe_lut_gemm": ([_W, _P, _I, _P, _I], ctypes.c_int),
     "npumoe_stream_read": ([_P, ctypes.c_size_t, _I, ctypes.c_size_t], ctypes.c_uint64),
 }
 
@@ -52,7 +52,9 @@ def available() -> tuple[str, ...]:
     return tuple(isa for isa in PREFERENCE if isa == "portable" or features & FEATURE_BITS[isa])
 
 
+@functools.cache
 def default_threads() -> int:
+    """The CPUs this process may run on, read once (a system call a decode step should not pay per GEMV)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -85,14 +87,10 @@ def _ptr(a: np.ndarray | None) -> int | None:
     return ctypes.addressof(ctypes.c_char.from_buffer(a)) if a.flags.writeable and a.size else a.ctypes.data
 
 
-def _weight_args(w: TiledWeight) -> tuple:
-    return (*w.addresses, w.row_blocks, w.shape[1], w.bits, w.group)
-
-
 class NativeCalls:
     """The library's entry points, called in-process; each fills the output arrays it is given.
 
-    A weight is checked (:meth:`TiledWeight.check`) when its addresses are first read.
+    A weight goes over as its :attr:`TiledWeight.native` struct (checked when first built).
     """
 
     def __init__(self, lib: ctypes.CDLL):
@@ -101,15 +99,15 @@ class NativeCalls:
     def tables(self, x, group, table_bits, tq, t_scales, xq):
         self.lib.npumoe_lut_tables(_ptr(x), x.shape[0], group, table_bits, _ptr(tq), _ptr(t_scales), _ptr(xq))
 
-    def gemv(self, w, x, table_bits, y, acc, threads):
-        if self.lib.npumoe_lut_gemv(_ptr(x), x.shape[0], *_weight_args(w), table_bits, _ptr(y), _ptr(acc), threads):
+    def gemv(self, w, x, rows, table_bits, y, acc, threads):
+        if self.lib.npumoe_lut_gemv(w.native, _ptr(x), rows, table_bits, _ptr(y), _ptr(acc), threads):
             raise MemoryError("the LUT-GEMV could not allocate its tables")
 
     def dequantize(self, w, out, threads):
-        self.lib.npumoe_lut_dequant(*_weight_args(w), _ptr(out), threads)
+        self.lib.npumoe_lut_dequant(w.native, _ptr(out), threads)
 
     def gemm(self, w, x, y, threads):
-        if self.lib.npumoe_lut_gemm(_ptr(x), x.shape[0], *_weight_args(w), _ptr(y), threads):
+        if self.lib.npumoe_lut_gemm(w.native, _ptr(x), x.shape[0], _ptr(y), threads):
             raise MemoryError("the LUT GEMM could not allocate its transposed activations")
 
     def stream_read(self, buf, threads, prefetch) -> int:
@@ -122,6 +120,17 @@ def _activations(x, k: int) -> np.ndarray:
         raise InputError(f"activations of shape {list(x.shape)} do not fit a weight with {k} inputs; pass [K] or "
                          "[M, K].")
     return x
+
+
+def _output(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
+    """``out`` when the kernels can write their float32 ``shape`` result into it, else a new array."""
+    if out is None:
+        return np.empty(shape, np.float32)
+    flags = out.flags
+    if out.shape != shape or out.dtype != np.float32 or not (flags.c_contiguous and flags.writeable):
+        raise InputError(f"out must be a writable C-contiguous float32 {list(shape)} array, got {out.dtype}"
+                         f"{list(out.shape)}{'' if flags.writeable else ' (read-only)'}.")
+    return out
 
 
 def _check_table_bits(table_bits: int) -> None:
@@ -151,17 +160,24 @@ class LutKernels:
         return tq, t_scales, xq
 
     def gemv(self, w: TiledWeight, x: np.ndarray, table_bits: int = 8, threads: int | None = None,
-             accumulators: bool = False):
-        """y = x Wᵀ row by row through LUTs; with ``accumulators`` also the int32 A [..., N, G]."""
+             accumulators: bool = False, out: np.ndarray | None = None):
+        """y = x Wᵀ row by row through LUTs; with ``accumulators`` also the int32 A [..., N, G].
+
+        ``out`` (float32 [..., ceil(N/16)·16], C-contiguous) receives y instead of a new array, as a
+        decode step's static buffers would. Kept to a few operations: a decode step makes this call
+        per expert matrix, when the Python state it touches has been evicted by the weights
+        streamed since, and every object it creates or looks up is then a trip to memory.
+        """
         n, k = w.shape
         x = _activations(x, k)
         _check_table_bits(table_bits)
-        rows = x.reshape(-1, k)
-        y = np.empty((rows.shape[0], w.row_blocks * ROWS), np.float32)
-        acc = np.empty((rows.shape[0], w.row_blocks * ROWS, w.groups), np.int32) if accumulators else None
-        self.calls.gemv(w, rows, table_bits, y, acc, threads or default_threads())
-        y = y[:, :n].reshape(*x.shape[:-1], n)
-        return (y, acc[:, :n].reshape(*x.shape[:-1], n, -1)) if accumulators else y
+        padded = w.row_blocks * ROWS
+        y = _output(out, (*x.shape[:-1], padded))
+        acc = np.empty((*x.shape[:-1], padded, w.groups), np.int32) if accumulators else None
+        self.calls.gemv(w, x, x.size // k, table_bits, y, acc, threads or default_threads())
+        if padded != n:
+            y, acc = y[..., :n], None if acc is None else acc[..., :n, :]
+        return (y, acc) if accumulators else y
 
     def gemm(self, w: TiledWeight, x: np.ndarray, threads: int | None = None) -> np.ndarray:
         """y [M, N] = x [M, K] Wᵀ, dequantising W tile by tile (prefill)."""
@@ -177,11 +193,7 @@ class LutKernels:
         ``out`` (float32 [ceil(N/16)·16, K], C-contiguous) is filled instead of a new array.
         """
         n, k = w.shape
-        shape = (w.row_blocks * ROWS, k)
-        if out is None:
-            out = np.empty(shape, np.float32)
-        elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
-            raise InputError(f"out must be a C-contiguous float32 {list(shape)} array, got {out.dtype}{list(out.shape)}.")
+        out = _output(out, (w.row_blocks * ROWS, k))
         self.calls.dequantize(w, out, threads or default_threads())
         return out[:n]
 

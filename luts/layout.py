@@ -17,6 +17,7 @@ Arrays (NB = ceil(N / 16); rows past N are zero codes with zero scale):
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass
 
@@ -28,6 +29,13 @@ from npumoe.luts import spec
 ROWS = 16
 TILE_K = 32
 TILE_BYTES = 64
+
+
+class NativeWeight(ctypes.Structure):
+    """``lut_weight`` of csrc/lut.h: the addresses and format of a :class:`TiledWeight`."""
+
+    _fields_ = [("tiles", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("zeros", ctypes.c_void_p),
+                ("row_blocks", ctypes.c_int), ("k", ctypes.c_int), ("bits", ctypes.c_int), ("group", ctypes.c_int)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,14 +72,22 @@ class TiledWeight:
                                   "re-tile it with npumoe.luts.layout.to_tiles.")
 
     @functools.cached_property
-    def addresses(self) -> tuple[int, int, int | None]:
-        """Data addresses of tiles, scales and zeros for native code, read once after :meth:`check`.
+    def native(self) -> NativeWeight:
+        """This weight as the kernels' ``lut_weight``, built once after :meth:`check`.
 
-        Reading an address through numpy costs about a microsecond, which a decode step would
-        pay per weight per call; a frozen weight's arrays do not move.
+        A decode step calls a kernel per expert matrix, with the weight's Python objects cold in
+        cache: handing over one prepared struct instead of reading seven fields (and three numpy
+        addresses, a microsecond each) per call keeps the call's own cost small against the
+        GEMV. A frozen weight's arrays do not move, and the struct lives as long as the weight.
         """
         self.check()
-        return tuple(None if a is None else a.ctypes.data for a in (self.tiles, self.scales, self.zeros))
+        nb, k = self.row_blocks, self.shape[1]
+        return NativeWeight(self.tiles.ctypes.data, self.scales.ctypes.data,
+                            None if self.zeros is None else self.zeros.ctypes.data, nb, k, self.bits, self.group)
+
+    def __getstate__(self) -> dict:
+        """Pickled without the native struct: its addresses are this process's arrays, not the copy's."""
+        return {key: value for key, value in self.__dict__.items() if key != "native"}
 
     @property
     def nbytes(self) -> int:

@@ -141,6 +141,30 @@ def test_a_forked_child_gets_its_own_thread_pool():
         assert np.array_equal(pool.apply_async(_gemv_in_child, ((tiled, x),)).get(timeout=60), expected)
 
 
+def test_a_pickled_weight_points_the_kernels_at_its_own_arrays():
+    import pickle
+
+    lut = kernels.kernels()
+    _, tiled, x = make((4, True, 32, 40, 128, 1))
+    expected = lut.gemv(tiled, x)  # builds the original's native struct
+    copy = pickle.loads(pickle.dumps(tiled))
+    assert copy.native.tiles == copy.tiles.ctypes.data != tiled.native.tiles
+    assert np.array_equal(lut.gemv(copy, x), expected)
+
+
+def test_gemv_writes_into_a_given_output_and_refuses_one_that_does_not_fit():
+    lut = kernels.kernels()
+    _, tiled, x = make((2, False, 64, 40, 128, 3))  # 40 rows: 48 padded outputs per activation row
+    out = np.full((3, 48), np.nan, np.float32)
+    y = lut.gemv(tiled, x, out=out)
+    assert np.shares_memory(y, out) and np.array_equal(y, lut.gemv(tiled, x)) and y.shape == (3, 40)
+    with pytest.raises(InputError, match=r"writable C-contiguous float32 \[3, 48\] array, got float32\[3, 40\]"):
+        lut.gemv(tiled, x, out=np.empty((3, 40), np.float32))
+    out.flags.writeable = False
+    with pytest.raises(InputError, match=r"got float32\[3, 48\] \(read-only\)"):
+        lut.gemv(tiled, x, out=out)
+
+
 def test_bad_activations_and_weights_are_refused():
     lut = kernels.kernels("portable")
     packed = spec.quantize_pack(np.ones((16, 128), np.float32), 4, 64)

@@ -45,12 +45,6 @@ NPUMOE_API unsigned npumoe_cpu_features(void) {
     return f;
 }
 
-static lut_weight weight(const uint8_t *tiles, const uint16_t *scales, const uint8_t *zeros, int row_blocks, int k,
-                         int bits, int group) {
-    lut_weight w = {tiles, scales, zeros, row_blocks, k, bits, group};
-    return w;
-}
-
 NPUMOE_API void npumoe_lut_tables(const float *x, int k, int group, int table_bits, void *tq, float *t_scales,
                                   int32_t *xq) {
     (table_bits == 8 ? ISA.tables8 : tables_portable)(x, k, group, table_bits, tq, t_scales, xq);
@@ -68,27 +62,32 @@ static void gemv_range(void *ctx, int rb0, int rb1) {
     (job->t->table_bits == 8 ? ISA.gemv8 : gemv_portable)(job->w, job->t, rb0, rb1, job->y, job->acc);
 }
 
+/* The weight entry points take one prepared lut_weight (built once per weight by the caller), not its
+ * seven fields: a decode step calls them per expert matrix, with the caller's own state cold in cache. */
+
 /* y [m][row_blocks*16] = x [m][k] · Wᵀ; acc (optional) [m][row_blocks*16][G] gets the int32 accumulators. */
-NPUMOE_API int npumoe_lut_gemv(const float *x, int m, const uint8_t *tiles, const uint16_t *scales,
-                               const uint8_t *zeros, int row_blocks, int k, int bits, int group, int table_bits,
-                               float *y, int32_t *acc, int threads) {
-    lut_weight w = weight(tiles, scales, zeros, row_blocks, k, bits, group);
-    const int groups = k / group;
-    void *tq = malloc((size_t)k * 4 * (table_bits / 8));
-    float *t_scales = malloc(sizeof(float) * groups);
-    int32_t *xq = malloc(sizeof(int32_t) * groups);
-    if (!tq || !t_scales || !xq) {
-        free(tq), free(t_scales), free(xq);
-        return -1;
-    }
-    lut_tables t = {tq, t_scales, xq, table_bits};
+NPUMOE_API int npumoe_lut_gemv(const lut_weight *w, const float *x, int m, int table_bits, float *y, int32_t *acc,
+                               int threads) {
+    const int k = w->k, groups = k / w->group, row_blocks = w->row_blocks;
+    /* the group arrays first, so each stays 4-byte aligned whatever the table size */
+    char *block = malloc(sizeof(float) * 5 * groups + (size_t)k * 4 * (table_bits / 8));
+    if (!block) return -1;
+    float *t_scales = (float *)block, *half_ts = t_scales + groups;
+    int32_t *xq = (int32_t *)(half_ts + groups), *bias = xq + groups, *zero_coef = bias + groups;
+    void *tq = zero_coef + groups;
+    const lut_tables t = {tq, t_scales, xq, table_bits, half_ts, bias, zero_coef};
     const size_t rows = (size_t)row_blocks * LUT_ROWS;
     for (int i = 0; i < m; i++) {
-        npumoe_lut_tables(x + (size_t)i * k, k, group, table_bits, tq, t_scales, xq);
-        gemv_job job = {&w, &t, y + i * rows, acc ? acc + i * rows * groups : NULL};
+        npumoe_lut_tables(x + (size_t)i * k, k, w->group, table_bits, tq, t_scales, xq);
+        for (int g = 0; g < groups; g++) {
+            half_ts[g] = t_scales[g] * 0.5f;
+            bias[g] = w->zeros ? ((1 << w->bits) - 1) * xq[g] : -xq[g];
+            zero_coef[g] = -2 * xq[g];
+        }
+        gemv_job job = {w, &t, y + i * rows, acc ? acc + i * rows * groups : NULL};
         lut_parallel(gemv_range, &job, row_blocks, threads);
     }
-    free(tq), free(t_scales), free(xq);
+    free(block);
     return 0;
 }
 
@@ -111,11 +110,9 @@ static void dequant_range(void *ctx, int rb0, int rb1) {
 }
 
 /* out [row_blocks*16][k] fp32: the two-level LUT dequantisation, bit-identical to the spec. */
-NPUMOE_API void npumoe_lut_dequant(const uint8_t *tiles, const uint16_t *scales, const uint8_t *zeros,
-                                   int row_blocks, int k, int bits, int group, float *out, int threads) {
-    lut_weight w = weight(tiles, scales, zeros, row_blocks, k, bits, group);
-    dequant_job job = {&w, out};
-    lut_parallel(dequant_range, &job, row_blocks, threads);
+NPUMOE_API void npumoe_lut_dequant(const lut_weight *w, float *out, int threads) {
+    dequant_job job = {w, out};
+    lut_parallel(dequant_range, &job, w->row_blocks, threads);
 }
 
 typedef struct {
@@ -131,17 +128,14 @@ static void gemm_range(void *ctx, int rb0, int rb1) {
 }
 
 /* y [m][row_blocks*16] = x [m][k] · Wᵀ with W dequantised tile by tile into registers/L1 (prefill). */
-NPUMOE_API int npumoe_lut_gemm(const float *x, int m, const uint8_t *tiles, const uint16_t *scales,
-                               const uint8_t *zeros, int row_blocks, int k, int bits, int group, float *y,
-                               int threads) {
-    lut_weight w = weight(tiles, scales, zeros, row_blocks, k, bits, group);
-    const int m_pad = (m + ISA.gemm_mr - 1) / ISA.gemm_mr * ISA.gemm_mr;
+NPUMOE_API int npumoe_lut_gemm(const lut_weight *w, const float *x, int m, float *y, int threads) {
+    const int k = w->k, m_pad = (m + ISA.gemm_mr - 1) / ISA.gemm_mr * ISA.gemm_mr;
     float *xt = calloc((size_t)k * m_pad, sizeof(float)); /* xᵀ, so a microkernel's rows are adjacent */
     if (!xt) return -1;
     for (int i = 0; i < m; i++)
         for (int kk = 0; kk < k; kk++) xt[(size_t)kk * m_pad + i] = x[(size_t)i * k + kk];
-    gemm_job job = {&w, xt, m_pad, m, row_blocks * LUT_ROWS, y};
-    lut_parallel(gemm_range, &job, row_blocks, threads);
+    gemm_job job = {w, xt, m_pad, m, w->row_blocks * LUT_ROWS, y};
+    lut_parallel(gemm_range, &job, w->row_blocks, threads);
     free(xt);
     return 0;
 }

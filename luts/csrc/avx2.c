@@ -38,7 +38,7 @@ typedef __m256i vi;
 #define i_sub _mm256_sub_epi32
 #define i_or _mm256_or_si256
 #define i_set1 _mm256_set1_epi32
-#define i_slli _mm256_slli_epi32
+#define i_add_u8_times(a, p, c) _mm256_add_epi32(a, _mm256_madd_epi16(i_u8(p), _mm256_set1_epi32(c))) /* z in the low word */
 #define i_table16(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
 #define i_lookup16 _mm256_shuffle_epi8
 #define i_nibble(v, h) _mm256_and_si256((h) ? _mm256_srli_epi16(v, 4) : (v), _mm256_set1_epi8(0x0F))

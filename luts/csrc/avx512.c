@@ -38,7 +38,7 @@ typedef __m512i vi;
 #define i_sub _mm512_sub_epi32
 #define i_or _mm512_or_si512
 #define i_set1 _mm512_set1_epi32
-#define i_slli _mm512_slli_epi32
+#define i_add_u8_times(a, p, c) _mm512_dpwssd_epi32(a, i_u8(p), _mm512_set1_epi32(c)) /* z < 2^8 in the low word */
 #define i_table16(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))
 #define i_lookup16 _mm512_shuffle_epi8
 #define i_nibble(v, h) _mm512_and_si512((h) ? _mm512_srli_epi16(v, 4) : (v), _mm512_set1_epi8(0x0F))

@@ -17,11 +17,9 @@
 
 const char *npumoe_lut_isa(void);
 void npumoe_lut_tables(const float *, int, int, int, void *, float *, int32_t *);
-int npumoe_lut_gemv(const float *, int, const uint8_t *, const uint16_t *, const uint8_t *, int, int, int, int, int,
-                    float *, int32_t *, int);
-void npumoe_lut_dequant(const uint8_t *, const uint16_t *, const uint8_t *, int, int, int, int, float *, int);
-int npumoe_lut_gemm(const float *, int, const uint8_t *, const uint16_t *, const uint8_t *, int, int, int, int, float *,
-                    int);
+int npumoe_lut_gemv(const lut_weight *, const float *, int, int, float *, int32_t *, int);
+void npumoe_lut_dequant(const lut_weight *, float *, int);
+int npumoe_lut_gemm(const lut_weight *, const float *, int, float *, int);
 
 static void *take(FILE *f, size_t bytes) {
     void *p = malloc(bytes ? bytes : 1);
@@ -60,6 +58,7 @@ int main(int argc, char **argv) {
         scales = take(in, sizeof(uint16_t) * rows * groups);
         zeros = h[7] ? take(in, rows * groups) : NULL;
     }
+    const lut_weight w = {tiles, scales, zeros, nb, k, bits, group};
     if (op == 1) {
         void *tq = malloc((size_t)k * 4 * (table_bits / 8));
         float *t_scales = malloc(sizeof(float) * groups);
@@ -71,16 +70,16 @@ int main(int argc, char **argv) {
     } else if (op == 2) {
         float *y = malloc(sizeof(float) * m * rows);
         int32_t *acc = malloc(sizeof(int32_t) * m * rows * groups);
-        if (npumoe_lut_gemv(x, m, tiles, scales, zeros, nb, k, bits, group, table_bits, y, acc, threads)) return 1;
+        if (npumoe_lut_gemv(&w, x, m, table_bits, y, acc, threads)) return 1;
         give(out, y, sizeof(float) * m * rows);
         give(out, acc, sizeof(int32_t) * m * rows * groups);
     } else if (op == 3) {
-        float *w = malloc(sizeof(float) * rows * k);
-        npumoe_lut_dequant(tiles, scales, zeros, nb, k, bits, group, w, threads);
-        give(out, w, sizeof(float) * rows * k);
+        float *dense = malloc(sizeof(float) * rows * k);
+        npumoe_lut_dequant(&w, dense, threads);
+        give(out, dense, sizeof(float) * rows * k);
     } else if (op == 4) {
         float *y = malloc(sizeof(float) * m * rows);
-        if (npumoe_lut_gemm(x, m, tiles, scales, zeros, nb, k, bits, group, y, threads)) return 1;
+        if (npumoe_lut_gemm(&w, x, m, y, threads)) return 1;
         give(out, y, sizeof(float) * m * rows);
     } else {
         fprintf(stderr, "driver: unknown op %d\n", op);

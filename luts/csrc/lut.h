@@ -25,6 +25,9 @@
 #define LUT_PREFETCH_FAR 32768
 #define LUT_PREFETCH_L2 16384
 #define LUT_PREFETCH_L1 6144
+/* Scales and zeros (elements ahead; a row block's group is 16 of each): 2 KB and 1 KB, as far ahead
+ * in time as the weights' 16 KB at 2 bits. At 256 (a quarter of that) int2 lost 2-3 % of bandwidth. */
+#define LUT_PREFETCH_PARAMS 1024
 #define lut_prefetch_line(p)                                             \
     (__builtin_prefetch((const char *)(p) + LUT_PREFETCH_FAR, 0, 2),   \
      __builtin_prefetch((const char *)(p) + LUT_PREFETCH_L2, 0, 2),    \
@@ -48,6 +51,11 @@ typedef struct {
     const float *t_scales;  /* [G] */
     const int32_t *xq;      /* [G]: sum of entry 15 over the group */
     int table_bits;         /* 8 or 16 */
+    /* Per group, for the SIMD epilogue (lut_epilogue_terms): the total A + (2^b − 1 − 2z)·Xq is
+     * bias + A + z·zero_coef, so the accumulators start at bias and zeros need one multiply-add. */
+    const float *half_ts;      /* [G] t_scales / 2 */
+    const int32_t *bias;       /* [G] (2^b − 1)·Xq, or −Xq for symmetric weights (z = 2^(b−1)) */
+    const int32_t *zero_coef;  /* [G] −2·Xq: |·| < 2^15 for int8 tables, a 16-bit multiplier */
 } lut_tables;
 
 static inline int lut_groups(const lut_weight *w) { return w->k / w->group; }

@@ -40,7 +40,7 @@ typedef int32x4_t vi;
 #define i_sub vsubq_s32
 #define i_or vorrq_s32
 #define i_set1 vdupq_n_s32
-#define i_slli vshlq_n_s32
+#define i_add_u8_times(a, p, c) vmlaq_n_s32(a, i_u8(p), c)
 #define i_table16(p) S32(vld1q_u8(p))
 #define i_lookup16(t, idx) S32(vqtbl1q_u8(U8(t), U8(idx)))
 #define i_nibble(v, h) S32((h) ? vshrq_n_u8(U8(v), 4) : vandq_u8(U8(v), vdupq_n_u8(0x0F)))

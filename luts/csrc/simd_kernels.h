@@ -8,7 +8,8 @@
  *   vf, vi                        float and integer vectors
  *   f_zero f_set1 f_load f_store f_add f_sub f_mul f_fmadd(a,b,c)=a·b+c f_max f_abs f_xor
  *   f_reduce_max f_from_i         (int32 → float) f_half(p) (W float16 → float)
- *   i_zero i_load(p) i_u8(p)      (W bytes → int32) i_add i_sub i_set1 i_slli
+ *   i_zero i_load(p) i_u8(p)      (W bytes → int32) i_add i_sub i_set1
+ *   i_add_u8_times(a, p, c)       a + (W bytes at p) · c, for |c| < 2^15
  *   i_table16(p)                  a 16-byte table in every 128-bit lane
  *   i_lookup16(table, idx)        per-byte lookup, idx < 16
  *   i_nibble(v, h)                nibble h (0 low, 1 high) of every byte
@@ -81,17 +82,12 @@ void ISA(tables)(const float *x, int k, int group, int table_bits, void *tq_out,
     }
 }
 
-/* One group's share for W rows: s · ts/2 · (A + (2^b − 1 − 2z) · Xq), added to out. */
-static inline __attribute__((always_inline)) vf epilogue(const uint16_t *scales, const uint8_t *zeros, vf xq,
-                                                         vf half_ts, vi a, vf out, const int bits) {
-    vf total; /* A + (2^b − 1 − 2z)·Xq: integers below 2^24, so this is exact */
-    if (zeros) {
-        vi term = i_sub(i_set1((1 << bits) - 1), i_slli(i_u8(zeros), 1));
-        total = f_fmadd(f_from_i(term), xq, f_from_i(a));
-    } else {
-        total = f_sub(f_from_i(a), xq);
-    }
-    return f_fmadd(f_mul(f_half(scales), half_ts), total, out);
+/* One group's share for W rows, s · ts/2 · (A + (2^b − 1 − 2z)·Xq), added to out. `biased` is A plus
+ * the group's bias (lut_tables); the total is an integer below 2^24, so its float is exact. */
+static inline __attribute__((always_inline)) vf epilogue(const uint16_t *scales, const uint8_t *zeros,
+                                                         int32_t zero_coef, vf half_ts, vi biased, vf out) {
+    const vi total = zeros ? i_add_u8_times(biased, zeros, zero_coef) : biased;
+    return f_fmadd(f_mul(f_half(scales), half_ts), f_from_i(total), out);
 }
 
 /* Everything the loops need is copied into locals first: through the pointers the compiler
@@ -101,8 +97,8 @@ static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w,
     const int groups = lut_groups(w), tiles_per_group = w->group / LUT_TILE_K;
     const size_t tile_stride = (size_t)lut_k_tiles(w) * bits * LUT_TILE_BYTES, param_stride = (size_t)groups * LUT_ROWS;
     const void *tq = t->tq;
-    const float *t_scales = t->t_scales;
-    const int32_t *xqs = t->xq;
+    const float *half_ts = t->half_ts;
+    const int32_t *bias = t->bias, *zero_coef = t->zero_coef;
     for (int rb = rb0; rb < rb1; rb++) {
         const uint8_t *tile = w->tiles + rb * tile_stride;
         const uint16_t *scales = w->scales + rb * param_stride;
@@ -112,7 +108,7 @@ static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w,
         for (int g = 0; g < groups; g++, scales += LUT_ROWS, zeros = zeros ? zeros + LUT_ROWS : NULL) {
             vi a[RV][ACC];
             for (int rv = 0; rv < RV; rv++)
-                for (int j = 0; j < ACC; j++) a[rv][j] = i_zero();
+                for (int j = 0; j < ACC; j++) a[rv][j] = j ? i_zero() : i_set1(bias[g]);
             for (int kt = g * tiles_per_group; kt < (g + 1) * tiles_per_group; kt++, tile += bits * LUT_TILE_BYTES) {
                 const kt_tables tables = load_tables(tq, kt);
 #pragma GCC unroll 8
@@ -121,18 +117,20 @@ static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w,
                     tile_dot(a, tile + i * LUT_TILE_BYTES, &tables, i);
                 }
             }
-            __builtin_prefetch(scales + 256, 0, 2); /* the small scale and zero streams, a few groups ahead */
-            if (zeros) __builtin_prefetch(zeros + 256, 0, 2);
-            const vf xq = f_set1((float)xqs[g]), half_ts = f_set1(t_scales[g] * 0.5f);
+            __builtin_prefetch(scales + LUT_PREFETCH_PARAMS, 0, 2);
+            if (zeros) __builtin_prefetch(zeros + LUT_PREFETCH_PARAMS, 0, 2);
+            const vf group_half_ts = f_set1(half_ts[g]);
             for (int rv = 0; rv < RV; rv++) {
-                vi sum = a[rv][0];
-                for (int j = 1; j < ACC; j++) sum = i_add(sum, a[rv][j]);
+                vi biased = a[rv][0];
+                for (int j = 1; j < ACC; j++) biased = i_add(biased, a[rv][j]);
                 if (acc) {
                     int32_t lanes[W];
+                    const vi sum = i_sub(biased, i_set1(bias[g]));
                     memcpy(lanes, &sum, sizeof lanes);
                     for (int r = 0; r < W; r++) acc[((size_t)rb * LUT_ROWS + rv * W + r) * groups + g] = lanes[r];
                 }
-                out[rv] = epilogue(scales + rv * W, zeros ? zeros + rv * W : NULL, xq, half_ts, sum, out[rv], bits);
+                out[rv] = epilogue(scales + rv * W, zeros ? zeros + rv * W : NULL, zero_coef[g], group_half_ts, biased,
+                                   out[rv]);
             }
         }
         for (int rv = 0; rv < RV; rv++) f_store(y + (size_t)rb * LUT_ROWS + rv * W, out[rv]);

@@ -94,12 +94,14 @@ def gemv_against_stream(lut, copies, x, threads: int, calls: int) -> tuple[float
     """Median seconds of a LUT-GEMV and of the faster plain read of the same bytes, alternated.
 
     Each call takes a copy a third of the rotation away from the others', so none finds the
-    lines another call just read still in cache.
+    lines another call just read still in cache. The GEMV writes into one output buffer, as a
+    decode step's static buffers do.
     """
     n, step = len(copies), len(copies) // 3
+    y = np.empty(copies[0][0].row_blocks * layout.ROWS, np.float32)
     reads = [lambda i, j=j, p=p: lut.stream_read(copies[(i + j * step) % n][1], threads, p)
              for j, p in enumerate(READ_PREFETCHES, start=1)]
-    gemv, *read = timings(lambda i: lut.gemv(copies[i % n][0], x, threads=threads), *reads,
+    gemv, *read = timings(lambda i: lut.gemv(copies[i % n][0], x, threads=threads, out=y), *reads,
                           calls=calls, warmup=len(copies))
     return float(np.median(gemv)), min(float(np.median(t)) for t in read)
 
@@ -115,13 +117,15 @@ def run(n: int, k: int, group: int, repeats: int, kernel: str | None, rotate_byt
     dense = np.empty((tiled["int4"][0][0].row_blocks * layout.ROWS, k), np.float32)  # the unfused baseline's W
     stream_buf = np.ones(STREAM_BYTES // 8, np.uint64)
     x_t, xs_t = torch.from_numpy(x), torch.from_numpy(xs)
+    y_t = torch.empty(n)  # the fp32 GEMVs' output buffer, like the LUT-GEMV's
     result = {"shape": [n, k], "group": group, "kernel": lut.isa, "load_before": os.getloadavg(), "threads": {}}
     previous_threads = torch.get_num_threads()
     try:
         for threads in sorted({1, default_threads()}):
             torch.set_num_threads(threads)
             row = {"stream_peak_gbs": peak_stream_gbs(lut, stream_buf, threads)}
-            fp32_gemv = median_seconds(lambda i: torch.mv(fp32[i % len(fp32)], x_t), max(repeats, 4 * len(fp32)), 1)
+            fp32_gemv = median_seconds(lambda i: torch.mv(fp32[i % len(fp32)], x_t, out=y_t),
+                                       max(repeats, 4 * len(fp32)), 1)
             fp32_gemm = median_seconds(lambda i: torch.mm(xs_t, fp32[i % len(fp32)].T), repeats, 1)
             row["fp32_gemv_ms"], row["fp32_gemm_ms"] = fp32_gemv * 1e3, fp32_gemm * 1e3
             advance()
@@ -129,7 +133,7 @@ def run(n: int, k: int, group: int, repeats: int, kernel: str | None, rotate_byt
                 weight = copies[0][0]
                 t, read = gemv_against_stream(lut, copies, x, threads, repeats * len(copies))
                 unfused = median_seconds(lambda i: torch.mv(torch.from_numpy(
-                    lut.dequantize(copies[i % len(copies)][0], threads, out=dense)), x_t), repeats, 1)
+                    lut.dequantize(copies[i % len(copies)][0], threads, out=dense)), x_t, out=y_t), repeats, 1)
                 prefill = median_seconds(lambda i: lut.gemm(copies[i % len(copies)][0], xs, threads), repeats, 1)
                 row[name] = {"ms": t * 1e3, "gbs": weight.nbytes / t / 1e9, "stream_gbs": weight.nbytes / read / 1e9,
                              "bw_ratio": read / t, "speedup_vs_fp32": fp32_gemv / t, "speedup_vs_dequant": unfused / t,

@@ -14,7 +14,8 @@
  *   i_lookup16(table, idx)        per-byte lookup, idx < 16
  *   i_nibble(v, h)                nibble h (0 low, 1 high) of every byte
  *   i_byte(v, p)                  byte p of every 32-bit lane, zero-extended
- *   store_run(dst, t[16/W], inv)  16 table entries · inv, rounded half-even, as int8
+ *   store_run(dst, t[16/W], inv)  16 table entries · inv, rounded half-even, as int8 (not needed when the
+ *                                 ISA file defines ISA_OWN_TABLES and its own tables_<isa>)
  *   kt_tables load_tables(tq, kt) and tile_dot(a[RV][ACC], tile, &tables, i): the GEMV core,
  *     adding 2^i · (row's four looked-up bytes, low and high nibbles) into int32 lanes, spread
  *     over ACC accumulators per row vector (summed at the end of each group)
@@ -36,6 +37,7 @@
     default: call(8); break;            \
     }
 
+#ifndef ISA_OWN_TABLES
 /* The fp32 table entries of one group's runs into t, returning their largest magnitude. */
 static inline __attribute__((always_inline)) float group_entries(const float *x, int runs, const float minus[4][16],
                                                                  const float *mirror, vf t[][EV]) {
@@ -81,6 +83,7 @@ void ISA(tables)(const float *x, int k, int group, int table_bits, void *tq_out,
         am = next;
     }
 }
+#endif
 
 /* One group's share for W rows, s · ts/2 · (A + (2^b − 1 − 2z)·Xq), added to out. `biased` is A plus
  * the group's bias (lut_tables); the total is an integer below 2^24, so its float is exact. */

@@ -80,11 +80,20 @@ def kernels(isa: str | None = None) -> LutKernels:
     return LutKernels(isa, NativeCalls(_load(isa)))
 
 
+_FLOAT32 = np.dtype(np.float32)
+
+
 def _ptr(a: np.ndarray | None) -> int | None:
-    """The array's data address; through ctypes' buffer view when it allows (a third of ``a.ctypes.data``'s cost)."""
+    """The array's data address; through ctypes' buffer view when it allows (a third of ``a.ctypes.data``'s cost).
+
+    The view needs a writable, non-empty, contiguous buffer; anything else takes numpy's slower road.
+    """
     if a is None:
         return None
-    return ctypes.addressof(ctypes.c_char.from_buffer(a)) if a.flags.writeable and a.size else a.ctypes.data
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+    except (TypeError, ValueError, BufferError):
+        return a.ctypes.data
 
 
 class NativeCalls:
@@ -115,7 +124,10 @@ class NativeCalls:
 
 
 def _activations(x, k: int) -> np.ndarray:
-    x = np.ascontiguousarray(x, dtype=np.float32)
+    """x as a C-contiguous float32 [K] or [M, K], copied only if it is not one (checked by identity first:
+    numpy's conversion machinery is the costliest part of a decode call's Python)."""
+    if not (type(x) is np.ndarray and x.dtype is _FLOAT32 and x.flags.c_contiguous):
+        x = np.ascontiguousarray(x, dtype=np.float32)
     if x.ndim not in (1, 2) or x.shape[-1] != k:
         raise InputError(f"activations of shape {list(x.shape)} do not fit a weight with {k} inputs; pass [K] or "
                          "[M, K].")
@@ -127,7 +139,7 @@ def _output(out: np.ndarray | None, shape: tuple[int, ...]) -> np.ndarray:
     if out is None:
         return np.empty(shape, np.float32)
     flags = out.flags
-    if out.shape != shape or out.dtype != np.float32 or not (flags.c_contiguous and flags.writeable):
+    if out.shape != shape or out.dtype is not _FLOAT32 or not (flags.c_contiguous and flags.writeable):
         raise InputError(f"out must be a writable C-contiguous float32 {list(shape)} array, got {out.dtype}"
                          f"{list(out.shape)}{'' if flags.writeable else ' (read-only)'}.")
     return out

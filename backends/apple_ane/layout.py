@@ -23,9 +23,8 @@ import torch.nn.functional as F
 
 from npumoe.backends.apple_ane.kvstate import STATE_NAMES, KVState
 from npumoe.backends.apple_ane.rules import POSITION_INPUT
-from npumoe.backends.cpu.executor import OP_IMPLS
+from npumoe.backends.cpu.executor import value_shapes
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op
-from npumoe.core.weights import weight_shape
 
 HOST_TABLES = frozenset({"cos", "sin", "mask"})  # 2-D inputs the host builds; every other 2-D I/O is [S, C]
 NEW_KV = {"k_cache": "k_new", "v_cache": "v_new"}
@@ -50,24 +49,13 @@ def from_ane(x: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return x.reshape(channels, rows).transpose(0, 1)
 
 
-def infer_shapes(graph: Graph, weights: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
-    """Every value's logical shape, from the reference op implementations on the meta device."""
-    env = {n: torch.empty(t.shape, device="meta") for n, t in graph.inputs.items()}
-    for op in graph.ops:
-        args = [torch.empty(weight_shape(weights, n[len(WEIGHT_PREFIX):]), device="meta") if n.startswith(WEIGHT_PREFIX)
-                else env[n] for n in op.inputs]
-        out = OP_IMPLS[op.op](*args, **op.a)
-        env.update(zip(op.outputs, out if isinstance(out, tuple) else (out,)))
-    return {n: tuple(int(d) for d in t.shape) for n, t in env.items()}
-
-
 class AneGraphModule(torch.nn.Module):
     """One IR graph as a traceable module: ``forward(*inputs)`` in :meth:`input_names` order."""
 
     def __init__(self, graph: Graph, weights: Mapping[str, torch.Tensor], kv: KVState | None = None):
         super().__init__()
         self.graph, self.kv = graph, kv
-        self.shapes = infer_shapes(graph, weights)
+        self.shapes = value_shapes(graph, weights)
         self._weight_attr: dict[tuple[str, bool], str] = {}
         for op in graph.ops:
             for i, name in enumerate(op.inputs):

@@ -88,6 +88,20 @@ def register_op(name: str, impl: Callable) -> None:
     OP_IMPLS[name] = impl
 
 
+def value_shapes(graph: Graph, weights: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """Every value's static shape, by running the reference ops on meta tensors (the ops' semantics are
+    their shapes' too). Weights are asked through ``weight_shape``, so packed experts stay packed."""
+    from npumoe.core.weights import weight_shape
+
+    env = {n: torch.empty(t.shape, device="meta") for n, t in graph.inputs.items()}
+    for op in graph.ops:
+        args = [torch.empty(weight_shape(weights, v[len(WEIGHT_PREFIX):]), device="meta") if v.startswith(WEIGHT_PREFIX)
+                else env[v] for v in op.inputs]
+        out = OP_IMPLS[op.op](*args, **op.a)
+        env.update(zip(op.outputs, out if isinstance(out, tuple) else (out,)))
+    return {n: tuple(int(d) for d in t.shape) for n, t in env.items()}
+
+
 class TorchGraphExecutor:
     """Binds a graph's weights once; each call runs its ops in order."""
 

@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op
-from npumoe.core.weights import weight_shape
 
 OPSET = 21  # blocked DequantizeLinear (int4 QDQ) needs 21; QNN 2.51 accepts 13-28
 DTYPE = np.float32
@@ -188,18 +187,6 @@ LOWERINGS = {
 }
 
 
-def _shapes(graph: Graph, weights: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
-    """Every value's static shape, by running the graph's ops on meta tensors."""
-    from npumoe.backends.cpu.executor import OP_IMPLS
-
-    env = {n: torch.empty(t.shape, device="meta") for n, t in graph.inputs.items()}
-    for op in graph.ops:
-        args = [torch.empty(weight_shape(weights, v[len(WEIGHT_PREFIX):]), device="meta") if v.startswith(WEIGHT_PREFIX)
-                else env[v] for v in op.inputs]
-        env[op.outputs[0]] = OP_IMPLS[op.op](*args, **op.a)
-    return {n: tuple(t.shape) for n, t in env.items()}
-
-
 class UnsupportedOp(Exception):
     """An IR op with no ONNX lowering (the caller turns it into a typed error naming graph and op)."""
 
@@ -215,7 +202,9 @@ def to_onnx(graph: Graph, weights: Mapping[str, torch.Tensor]):
     for op in graph.ops:
         if op.op not in LOWERINGS:
             raise UnsupportedOp(op)
-    b = _Builder(weights, _shapes(graph, weights))
+    from npumoe.backends.cpu.executor import value_shapes
+
+    b = _Builder(weights, value_shapes(graph, weights))
     for op in graph.ops:
         b.prefix = op.outputs[0]
         LOWERINGS[op.op](b, op, op.outputs[0])

@@ -10,7 +10,7 @@
 
 #define ISA(name) name##_avx512
 #define W 16
-#define ACC 8 /* a pair per plane up to 4 bits: short dpbusd chains per group, +3-5 % of DRAM bandwidth at int4 */
+#define ACC 8 /* four pairs, planes sharing one two by two (tile_dot) */
 #define GEMM_MR AVX512_MR
 #define GEMM_ROW_BLOCKS 2 /* 8 × 32 microkernel: 16 accumulators, 10 loads per 16 FMAs */
 
@@ -61,7 +61,10 @@ static inline __attribute__((always_inline)) void tile_dot(vi a[][ACC], const ui
     const __m512i lo = _mm512_ternarylogic_epi32(v, nibble, positions, 0xEA); /* (v & 15) | p << 4 */
     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, positions, 0xEA);
     const __m512i weight = _mm512_set1_epi8((char)(1 << i));
-    vi *pair = a[0] + 2 * i % ACC;
+    /* Planes i and i + 1 share an accumulator pair: at 1-2 bits all go to one pair, as a group has only
+     * 2-8 dot products a pair and each extra accumulator costs an add per group (int2 +1-5 % of DRAM
+     * bandwidth on Zen 4, the most when compute is short); at 4 bits two pairs do as well as four. */
+    vi *pair = a[0] + 2 * (i / 2) % ACC;
     pair[0] = _mm512_dpbusd_epi32(pair[0], weight, _mm512_permutexvar_epi8(lo, t->lo));
     pair[1] = _mm512_dpbusd_epi32(pair[1], weight, _mm512_permutexvar_epi8(hi, t->hi));
 }

@@ -5,18 +5,21 @@ with the system C compiler (``$CC``, else cc, gcc or clang) into the user cache
 (``$NPUMOE_CACHE_DIR``, else ``$XDG_CACHE_HOME/npumoe``, else ``~/.cache/npumoe``). The
 file name carries a hash of the sources, flags and compiler version, so an upgrade or a
 different compiler builds afresh, and the library is written under a temporary name and
-renamed, so concurrent first uses never load a half-written file.
+renamed, so concurrent first uses never load a half-written file. The optional CPython call
+module (``csrc/pycall.c``) is built the same way, against this Python's headers.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import os
 import platform
 import shlex
 import shutil
 import subprocess
+import sysconfig
 from pathlib import Path
 
 from npumoe.core.native import cache_dir as native_cache_dir
@@ -86,6 +89,27 @@ def library(isa: str) -> Path:
     sources = _sources(isa)
     suffix = ".dll" if platform.system() == "Windows" else ".so"
     return _compile(cc, sources, flags, cache_dir() / f"lut-{isa}-{_key(cc, sources, flags)}{suffix}")
+
+
+@functools.cache
+def python_calls():
+    """The compiled ``_lutcall`` module (csrc/pycall.c) behind LutKernels' GEMV calls, or None when this
+    Python has no headers to build it against or the build fails: the ctypes path then serves."""
+    include = sysconfig.get_paths().get("include")
+    if not include or not (Path(include) / "Python.h").exists():
+        return None
+    flags = (*COMMON_FLAGS, "-fPIC", "-shared", f"-I{include}", f"-I{CSRC}")
+    sources = [CSRC / "pycall.c"]
+    try:
+        cc = compiler()
+        path = _compile(cc, sources, flags, cache_dir() / f"lutcall-{_key(cc, sources, flags)}"
+                        f"{sysconfig.get_config_var('EXT_SUFFIX') or '.so'}")
+    except BackendUnavailableError:
+        return None
+    spec = importlib.util.spec_from_file_location("_lutcall", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def emulated_driver(arch: str, isa: str) -> Path:

@@ -72,6 +72,9 @@ class EmulatedCalls:
     def tables(self, x, group, table_bits, tq, t_scales, xq):
         self._run("tables", (1, 0, x.shape[0], 0, group, table_bits, 0), [x], [tq, t_scales, xq])
 
+    def gemv_if_fits(self, w, x, y, table_bits, threads) -> bool:
+        return False  # every call goes through the checked path
+
     def gemv(self, w, x, rows, table_bits, y, acc, threads):
         header, arrays = self._weight(w, rows, table_bits)
         acc = np.empty((*y.shape, w.groups), np.int32) if acc is None else acc

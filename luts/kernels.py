@@ -104,6 +104,14 @@ class NativeCalls:
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
+        self._python_calls = build.python_calls()
+        self._gemv_kernel = ctypes.cast(lib.npumoe_lut_gemv, ctypes.c_void_p).value
+
+    def gemv_if_fits(self, w, x, y, table_bits, threads) -> bool:
+        """The GEMV through the compiled call module, which checks x and y itself; False (nothing run)
+        when the module is not built or they do not fit."""
+        calls = self._python_calls
+        return calls is not None and calls.gemv(self._gemv_kernel, w.native, x, y, table_bits, threads)
 
     def tables(self, x, group, table_bits, tq, t_scales, xq):
         self.lib.npumoe_lut_tables(_ptr(x), x.shape[0], group, table_bits, _ptr(tq), _ptr(t_scales), _ptr(xq))
@@ -181,9 +189,13 @@ class LutKernels:
         streamed since, and every object it creates or looks up is then a trip to memory.
         """
         n, k = w.shape
+        padded = w.row_blocks * ROWS
+        if type(x) is np.ndarray and not accumulators:  # the decode call, checked in compiled code when it can be
+            y = np.empty((*x.shape[:-1], padded), np.float32) if out is None else out
+            if self.calls.gemv_if_fits(w, x, y, table_bits, threads or default_threads()):
+                return y if padded == n else y[..., :n]
         x = _activations(x, k)
         _check_table_bits(table_bits)
-        padded = w.row_blocks * ROWS
         y = _output(out, (*x.shape[:-1], padded))
         acc = np.empty((*x.shape[:-1], padded, w.groups), np.int32) if accumulators else None
         self.calls.gemv(w, x, x.size // k, table_bits, y, acc, threads or default_threads())

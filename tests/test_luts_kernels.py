@@ -165,6 +165,32 @@ def test_gemv_writes_into_a_given_output_and_refuses_one_that_does_not_fit():
         lut.gemv(tiled, x, out=out)
 
 
+def test_compiled_gemv_calls_match_the_ctypes_path_and_hand_back_what_does_not_fit(monkeypatch):
+    import sysconfig
+    from pathlib import Path
+
+    from npumoe.luts import build
+
+    if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
+        pytest.skip("this Python has no headers: the compiled call module is not built")
+    fast = kernels.kernels()
+    assert fast.calls._python_calls is not None
+    monkeypatch.setattr(build, "python_calls", lambda: None)
+    plain = kernels.LutKernels(fast.isa, kernels.NativeCalls(fast.calls.lib))
+    for case in ((2, False, 64, 40, 128, 3), (4, True, 32, 48, 256, 1)):
+        _, tiled, x = make(case)
+        for rows in (x, x[0]):
+            assert fast.calls.gemv_if_fits(tiled, rows, np.empty((*rows.shape[:-1], 48), np.float32), 8, 1)
+            assert np.array_equal(fast.gemv(tiled, rows), plain.gemv(tiled, rows))
+            assert np.array_equal(fast.gemv(tiled, rows, table_bits=16), plain.gemv(tiled, rows, table_bits=16))
+    _, tiled, x = make((2, False, 64, 40, 128, 3))
+    y = np.empty((3, 48), np.float32)
+    for x_bad, y_bad, bits in ((x.astype(np.float64), y, 8), (x[:, :64], y, 8), (x, y[:2], 8), (x, y.T.copy().T, 8),
+                               (x, y, 4), (x[0], y, 8), (x[:, ::2].repeat(2, 1), y[:, :40], 8)):
+        assert not fast.calls.gemv_if_fits(tiled, x_bad, y_bad, bits, 1)
+    assert np.array_equal(fast.gemv(tiled, x.astype(np.float64)), plain.gemv(tiled, x))  # converted by the checked path
+
+
 def test_bad_activations_and_weights_are_refused():
     lut = kernels.kernels("portable")
     packed = spec.quantize_pack(np.ones((16, 128), np.float32), 4, 64)

@@ -77,6 +77,8 @@ NPUMOE_API int npumoe_lut_gemv(const lut_weight *w, const float *x, int m, int t
     void *tq = zero_coef + groups;
     const lut_tables t = {tq, t_scales, xq, table_bits, half_ts, bias, zero_coef};
     const size_t rows = (size_t)row_blocks * LUT_ROWS;
+    const size_t row_block_bytes = (size_t)k / LUT_TILE_K * w->bits * LUT_TILE_BYTES +
+                                   (size_t)groups * LUT_ROWS * (sizeof(uint16_t) + (w->zeros ? 1 : 0));
     for (int i = 0; i < m; i++) {
         npumoe_lut_tables(x + (size_t)i * k, k, w->group, table_bits, tq, t_scales, xq);
         for (int g = 0; g < groups; g++) {
@@ -85,7 +87,7 @@ NPUMOE_API int npumoe_lut_gemv(const lut_weight *w, const float *x, int m, int t
             zero_coef[g] = -2 * xq[g];
         }
         gemv_job job = {w, &t, y + i * rows, acc ? acc + i * rows * groups : NULL};
-        lut_parallel(gemv_range, &job, row_blocks, threads);
+        lut_parallel(gemv_range, &job, row_blocks, threads, (int)(LUT_STREAM_CHUNK / row_block_bytes + 1));
     }
     free(block);
     return 0;
@@ -112,7 +114,7 @@ static void dequant_range(void *ctx, int rb0, int rb1) {
 /* out [row_blocks*16][k] fp32: the two-level LUT dequantisation, bit-identical to the spec. */
 NPUMOE_API void npumoe_lut_dequant(const lut_weight *w, float *out, int threads) {
     dequant_job job = {w, out};
-    lut_parallel(dequant_range, &job, w->row_blocks, threads);
+    lut_parallel(dequant_range, &job, w->row_blocks, threads, 1);
 }
 
 typedef struct {
@@ -135,7 +137,7 @@ NPUMOE_API int npumoe_lut_gemm(const lut_weight *w, const float *x, int m, float
     for (int i = 0; i < m; i++)
         for (int kk = 0; kk < k; kk++) xt[(size_t)kk * m_pad + i] = x[(size_t)i * k + kk];
     gemm_job job = {w, xt, m_pad, m, w->row_blocks * LUT_ROWS, y};
-    lut_parallel(gemm_range, &job, w->row_blocks, threads);
+    lut_parallel(gemm_range, &job, w->row_blocks, threads, 1);
     free(xt);
     return 0;
 }
@@ -166,7 +168,7 @@ static void stream_range(void *ctx, int part0, int part1) {
  * (0: left to the hardware prefetchers): the machine's streaming-read bandwidth probe. */
 NPUMOE_API uint64_t npumoe_stream_read(const void *buf, size_t bytes, int threads, size_t prefetch) {
     stream_job job = {buf, bytes / sizeof(uint64_t), prefetch / sizeof(uint64_t), {0}};
-    lut_parallel(stream_range, &job, LUT_MAX_THREADS, threads);
+    lut_parallel(stream_range, &job, LUT_MAX_THREADS, threads, (int)(LUT_STREAM_CHUNK * LUT_MAX_THREADS / (bytes + 1)) + 1);
     uint64_t s = 0;
     for (int i = 0; i < LUT_MAX_THREADS; i++) s ^= job.sums[i];
     return s;

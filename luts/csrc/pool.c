@@ -6,7 +6,8 @@
  * Work is handed out in contiguous chunks from one atomic word holding (job, chunk count,
  * next chunk), and the caller waits for the chunks to be done, not for every worker to
  * check in: on a busy machine a preempted worker costs at most the chunk it holds, and a
- * worker that wakes up late finds its job gone and cannot claim from the next one.
+ * worker that wakes up late finds its job gone and cannot claim from the next one. Up to
+ * eight chunks a thread; streaming jobs ask for fewer, longer ones (lut.h, LUT_STREAM_CHUNK).
  * Calls are serialised; a forked child starts a fresh pool.
  */
 #define _GNU_SOURCE
@@ -100,7 +101,7 @@ static void grow(int workers) {
     }
 }
 
-void lut_parallel(lut_range_fn fn, void *ctx, int units, int threads) {
+void lut_parallel(lut_range_fn fn, void *ctx, int units, int threads, int min_chunk) {
     if (threads > LUT_MAX_THREADS) threads = LUT_MAX_THREADS;
     if (threads > units) threads = units;
     if (threads <= 1) {
@@ -110,7 +111,9 @@ void lut_parallel(lut_range_fn fn, void *ctx, int units, int threads) {
     pthread_mutex_lock(&pool.call_lock);
     grow(threads - 1);
     const int parts = pool.workers + 1 < threads ? pool.workers + 1 : threads;
-    const int chunks = units < CHUNKS_PER_THREAD * parts ? units : CHUNKS_PER_THREAD * parts;
+    int chunks = units / min_chunk; /* of at least min_chunk units, but one for every participant */
+    if (chunks > CHUNKS_PER_THREAD * parts) chunks = CHUNKS_PER_THREAD * parts;
+    if (chunks < parts) chunks = parts;
     pool.fn = fn;
     pool.ctx = ctx;
     pool.units = units;

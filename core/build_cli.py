@@ -7,13 +7,14 @@ from rich.console import Console
 from rich.table import Table
 
 from npumoe.core.artifacts import build
-from npumoe.core.cli import model_option
+from npumoe.core.cli import dtype_option, model_option
 from npumoe.core.plan import Plan
 from npumoe.models.loader import load
 
 
 @click.command("build")
 @model_option
+@dtype_option
 @click.option("--plan", "plan_path", required=True, type=click.Path(), help="Plan from npumoe plan.")
 @click.option("--target", type=click.Choice(["htp", "ane"]), required=True, help="Qualcomm HTP or Apple ANE.")
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory (replaced only when complete).")
@@ -22,12 +23,12 @@ from npumoe.models.loader import load
 @click.option("--via", default=None, help="Toolchain: htp: onnx (default) | executorch; ane: coreml (default) | executorch.")
 @click.option("--precision", default=None, help="htp: fp16 | w8a16 | w4a16; ane: fp16 | int4 | palettize4 | palettize2.")
 @click.option("--soc", default=None, help="htp: Snapdragon SoC model number (69 = 8 Elite, 57 = 8 Gen 3).")
-def build_command(model_dir, plan_path, target, out, max_context, via, precision, soc):
+def build_command(model_dir, dtype, plan_path, target, out, max_context, via, precision, soc):
     """Compile every NPU-placed graph of the plan, write the artifacts and manifest.json.
 
     Example: npumoe build --plan plan.json --target htp --precision w8a16 --out build/htp
     """
-    model = load(model_dir)
+    model = load(model_dir, dtype=dtype)
     options = {k: v for k, v in {"via": via, "precision": precision, "soc": soc}.items() if v is not None}
     manifest = build(model, Plan.load(plan_path), target, out, max_context=max_context, **options)
     table = Table("graph", "kind", "inputs", "files")

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from npumoe.core.calibrate import LoadRecorder
 from npumoe.core.runtime.engine import DEFAULT_CHUNK, Engine
+from npumoe.core.weights import DTYPE_POLICIES
 from npumoe.errors import InputError
 from npumoe.models.loader import DEMO_DIR, load
 
@@ -40,8 +41,17 @@ def model_option(f):
     )(f)
 
 
+def dtype_option(f):
+    return click.option(
+        "--dtype", default="auto", show_default=True, type=click.Choice(DTYPE_POLICIES),
+        help="Compute dtype of the weight matrices: auto = float32 when an fp32 copy fits comfortably in free "
+             "memory, else the checkpoint's stored dtype (norms, router and attention scores stay fp32).",
+    )(f)
+
+
 @click.command("generate")
 @model_option
+@dtype_option
 @click.option("--prompt", default=DEMO_PROMPT, show_default=True, help="Text to continue.")
 @click.option("--ids", default=None, help="Token ids instead of text, e.g. '1,2,3' (for models without a tokenizer).")
 @click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(1), help="Tokens to generate.")
@@ -53,7 +63,7 @@ def model_option(f):
 @click.option("--artifacts", default=None, type=click.Path(), help="Artifact directory from npumoe build.")
 @click.option("--trace", "trace_path", default=None, type=click.Path(),
               help="Write a Chrome trace of host steps (and, for htp, the HTP's per-graph profile) here.")
-def generate_command(model_dir, prompt, ids, max_new_tokens, chunk, max_context, plan_path, target, artifacts,
+def generate_command(model_dir, dtype, prompt, ids, max_new_tokens, chunk, max_context, plan_path, target, artifacts,
                      trace_path):
     """Greedy-generate a continuation, through npumoe's own graphs and host runtime.
 
@@ -64,7 +74,7 @@ def generate_command(model_dir, prompt, ids, max_new_tokens, chunk, max_context,
     """
     from npumoe.core.plan import Plan
 
-    model = load(model_dir)
+    model = load(model_dir, dtype=dtype)
     tokens = prompt_ids(model, prompt, ids)
     plan = Plan.load(plan_path) if plan_path else None
     profile = {"profile_dir": trace_profile_dir(trace_path)} if trace_path and target == "htp" else None

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from npumoe.core.calibrate import RoutingProfile, calibrate, overlap_at_k
-from npumoe.core.cli import model_option
+from npumoe.core.cli import dtype_option, model_option
 from npumoe.core.plan import MAX_TIERS, METHODS, OVERFLOW_POLICIES, RESIDENCY, plan
 from npumoe.errors import InputError
 from npumoe.models.loader import load
@@ -36,6 +36,7 @@ def read_texts(paths: tuple[str, ...]) -> dict[str, str]:
 
 @click.command("calibrate")
 @model_option
+@dtype_option
 @click.option("--text", "text_files", multiple=True, type=click.Path(),
               help="Calibration text file (repeatable) [default: Python's pydoc topics, always on disk].")
 @click.option("--chunk", default=256, show_default=True, type=click.IntRange(1), help="Prefill chunk size B.")
@@ -43,7 +44,7 @@ def read_texts(paths: tuple[str, ...]) -> dict[str, str]:
 @click.option("--plot", type=click.Path(), default=None, help="Also write a heatmap PNG of expert load per layer.")
 @click.option("--compare", nargs=2, type=click.Path(), default=None,
               help="Instead of calibrating: print per-layer Overlap@K of two saved profiles.")
-def calibrate_command(model_dir, text_files, chunk, out, plot, compare):
+def calibrate_command(model_dir, dtype, text_files, chunk, out, plot, compare):
     """Measure how the experts are really used: per-chunk loads, imbalance r_l, popularity.
 
     \b
@@ -54,7 +55,7 @@ def calibrate_command(model_dir, text_files, chunk, out, plot, compare):
     console = Console()
     if compare:
         return print_overlap(console, RoutingProfile.load(compare[0]), RoutingProfile.load(compare[1]))
-    model = load(model_dir)
+    model = load(model_dir, dtype=dtype)
     texts = read_texts(text_files) if text_files else default_calibration_texts()
     profile = calibrate(model, list(texts.values()), chunk=chunk, progress=True, sources=list(texts)[:50])
     profile.save(out)

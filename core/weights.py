@@ -8,12 +8,17 @@ as separate modules or as stacked 3-D tensors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from npumoe.core.spec import AttentionSpec, MLPSpec, ModelSpec, MoESpec, NormSpec
-from npumoe.errors import WeightError
+from npumoe.core.tensorfile import FLOAT_DTYPES
+from npumoe.errors import InputError, WeightError
 
 
 def layer(i: int) -> str:
@@ -112,12 +117,70 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class Weights(Mapping):
-    """Canonical name → fp32 tensor, checked against the spec at construction."""
+@dataclass(frozen=True)
+class TensorSource:
+    """One canonical tensor before it is read: its stored shape and dtype, and how to read it
+    (for a mapped checkpoint, a view of the file: no copy)."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], spec: ModelSpec, source: str = ""):
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    read: Callable[[], torch.Tensor]
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> TensorSource:
+        return cls(tuple(tensor.shape), tensor.dtype, lambda: tensor)
+
+
+DTYPE_POLICIES = ("auto", "float32", "bfloat16", "float16")
+FP32_SHARE_OF_AVAILABLE = 0.5  # ``auto`` computes in fp32 when an fp32 copy takes at most this share of free memory
+
+
+def fp32_sensitive(name: str, shape: tuple[int, ...]) -> bool:
+    """Tensors kept in fp32 whatever the compute dtype: norms, biases, sinks (1-D, small) and the
+    router, whose scores pick the experts (a bf16 router flips near-tied top-k choices)."""
+    return len(shape) < 2 or ".moe.router." in name
+
+
+def available_memory() -> int:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), or 0 if unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def resolve_dtype(policy: str, sources: Mapping[str, TensorSource], spec: ModelSpec) -> torch.dtype:
+    """The compute dtype of low-precision-tolerant matrices under a dtype policy.
+
+    ``auto``: fp32 when an fp32 copy of the model fits comfortably in free memory, else the stored
+    dtype of the largest matrices (so a 7 B bf16 checkpoint runs from its mapped bf16 bytes)."""
+    if policy not in DTYPE_POLICIES:
+        raise InputError(f"dtype {policy!r} is not a compute dtype policy; use one of {', '.join(DTYPE_POLICIES)}.")
+    if policy != "auto":
+        return getattr(torch, policy)
+    params = sum(math.prod(shape) for shape in expected_shapes(spec).values())
+    available = available_memory()
+    if not available or params * 4 <= FP32_SHARE_OF_AVAILABLE * available:
+        return torch.float32
+    stored = [s.dtype for s in sources.values() if s.dtype in (torch.bfloat16, torch.float16)]
+    return max(set(stored), key=stored.count) if stored else torch.float32
+
+
+class Weights(Mapping):
+    """Canonical name → tensor, checked against the spec at construction without reading data.
+
+    ``weights[name]`` reads the tensor when asked (a mapped view where the checkpoint is mapped)
+    and returns it in the compute dtype: matrices in ``dtype``, :func:`fp32_sensitive` tensors in
+    fp32. A converted copy is shared by every holder while one is alive, never cached beyond."""
+
+    def __init__(self, tensors: Mapping[str, TensorSource | torch.Tensor], spec: ModelSpec, source: str = "",
+                 dtype: str | torch.dtype = "float32"):
+        sources = {n: t if isinstance(t, TensorSource) else TensorSource.of(t) for n, t in tensors.items()}
         want = expected_shapes(spec)
-        missing = [n for n in want if n not in tensors]
+        missing = [n for n in want if n not in sources]
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
             raise WeightError(
@@ -125,34 +188,53 @@ class Weights(Mapping):
                 "is this checkpoint complete and of the model type its config.json names?"
             )
         for name, shape in want.items():
-            got = tuple(tensors[name].shape)
+            got = sources[name].shape
             if got != shape:
                 raise WeightError(
                     f"tensor {name!r} in {source or 'checkpoint'} has shape {list(got)}, but its "
                     f"config.json implies {list(shape)}; the weights and the config do not match."
                 )
-        self._tensors = {n: tensors[n].float() for n in want}
+            if sources[name].dtype not in FLOAT_DTYPES:
+                raise WeightError(
+                    f"tensor {name!r} in {source or 'checkpoint'} is stored as {sources[name].dtype}, where a "
+                    "floating-point weight belongs; the checkpoint is damaged or in a format npumoe does not read."
+                )
+        self._sources = {n: sources[n] for n in want}
         self.spec = spec
+        self.dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, self._sources, spec)
+        self._converted: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._stored(name)
+        src = self.source(name)
+        dtype = torch.float32 if fp32_sensitive(name, src.shape) else self.dtype
+        if src.dtype == dtype:
+            return src.read()
+        tensor = self._converted.get(name)
+        if tensor is None:
+            tensor = self._converted[name] = src.read().to(dtype)
+        return tensor
 
-    def _stored(self, name: str) -> torch.Tensor:
+    def source(self, name: str) -> TensorSource:
         if name == "lm_head.weight" and self.spec.tie_embeddings:
-            return self._tensors["embed.weight"]
-        return self._tensors[name]
+            name = "embed.weight"
+        return self._sources[name]
 
     def __iter__(self):
-        return iter(self._tensors)
+        return iter(self._sources)
 
     def __len__(self) -> int:
-        return len(self._tensors)
+        return len(self._sources)
 
-    def nbytes(self, names) -> int:
-        return sum(self._stored(n).numel() * self._stored(n).element_size() for n in names)
+    @property
+    def stored_dtypes(self) -> dict[torch.dtype, int]:
+        """Parameters per stored dtype."""
+        counts: dict[torch.dtype, int] = {}
+        for s in self._sources.values():
+            counts[s.dtype] = counts.get(s.dtype, 0) + math.prod(s.shape)
+        return counts
 
 
-def weight_shape(weights: Mapping[str, torch.Tensor], name: str) -> torch.Size:
+def weight_shape(weights: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
     """A weight's shape. Backends take any mapping; a :class:`Weights` answers without
-    materialising the tensor, which for a packed matrix would mean dequantising it."""
-    return weights._stored(name).shape if isinstance(weights, Weights) else weights[name].shape
+    reading the tensor, which for a packed matrix would mean dequantising it."""
+    return weights.source(name).shape if isinstance(weights, Weights) else tuple(weights[name].shape)

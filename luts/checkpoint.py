@@ -22,13 +22,11 @@ when it asks for it, so a loaded model holds its experts at their packed size.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-
 from npumoe.core.spec import ModelSpec, MoESpec
+from npumoe.core.tensorfile import SafetensorsFile
 from npumoe.core.weights import Weights, expert
 from npumoe.errors import WeightError
 from npumoe.luts import spec
@@ -53,15 +51,6 @@ def section(bits: int, group: int, symmetric: bool) -> dict:
             "weights": "routed experts"}
 
 
-def to_safetensors(tensors: dict[str, torch.Tensor], packed: dict[str, spec.Packed]) -> tuple[dict, dict]:
-    """(tensors, header metadata) for safetensors.torch.save: plain tensors plus each packed one's parts."""
-    out = {name: t.contiguous() for name, t in tensors.items()}
-    for name, p in packed.items():
-        out |= {f"{name}.{part}": torch.from_numpy(getattr(p, part)) for part in PARTS}
-    meta = {name: asdict(p.meta) for name, p in packed.items()}
-    return out, {METADATA_KEY: json.dumps(meta, sort_keys=True)}
-
-
 def read(path: Path, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, spec.Packed]]:
     """(plain tensors, packed matrices) of a checkpoint."""
     info = cfg[SECTION]
@@ -71,11 +60,11 @@ def read(path: Path, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, spec
     file = path / WEIGHTS_FILE
     if not file.is_file():
         raise WeightError(f"{path} is an npumoe-quantised checkpoint without its {WEIGHTS_FILE}; re-run npumoe quantize.")
+    mapped = SafetensorsFile(file)
+    stored = {key: mapped.tensor(key) for key in mapped.entries}
     try:
-        with safe_open(str(file), framework="pt") as f:
-            stored = {key: f.get_tensor(key) for key in f.keys()}
-            meta = json.loads((f.metadata() or {}).get(METADATA_KEY, "null"))
-    except (SafetensorError, json.JSONDecodeError) as err:
+        meta = json.loads(mapped.metadata.get(METADATA_KEY, "null"))
+    except json.JSONDecodeError as err:
         raise WeightError(f"{file} is not a readable npumoe-quantised safetensors file ({err}); re-run npumoe "
                           "quantize.") from err
     if not isinstance(meta, dict):
@@ -105,10 +94,20 @@ class QuantizedWeights(Weights):
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], model_spec: ModelSpec, packed: dict[str, spec.Packed],
-                 source: str = ""):
+                 source: str = "", dtype: str | torch.dtype = "float32"):
         shapes = {name: torch.empty(p.meta.shape, device="meta") for name, p in packed.items()}
-        super().__init__(tensors | shapes, model_spec, source)
+        super().__init__(tensors | shapes, model_spec, source, dtype)
         self.packed = {name: LutLinear(p) for name, p in packed.items()}
+
+    @property
+    def stored_dtypes(self) -> dict[torch.dtype, int]:
+        """Parameters per stored dtype, of the tensors not held packed."""
+        counts: dict[torch.dtype, int] = {}
+        for name in self:
+            if name not in self.packed:
+                src = self.source(name)
+                counts[src.dtype] = counts.get(src.dtype, 0) + src.read().numel()
+        return counts
 
     def __getitem__(self, name: str) -> torch.Tensor:
         linear = self.packed.get(name)

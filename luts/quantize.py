@@ -9,21 +9,27 @@ run leaves no half-written file, and a fresh directory does not load until it is
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import click
-from safetensors.torch import save
+import torch
+from rich.progress import MofNCompleteColumn, Progress
 
 from npumoe.core.cli import model_option
 from npumoe.core.io import atomic_write_bytes, atomic_write_text
-from npumoe.core.weights import Weights, expected_shapes
+from npumoe.core.tensorfile import SafetensorsWriter
+from npumoe.core.weights import Weights
 from npumoe.errors import InputError
 from npumoe.luts import checkpoint, spec
-from npumoe.models.loader import PICKLE_SUFFIXES, is_gptq, read_config, read_tensors, refuse_quantized
+from npumoe.models.loader import (
+    PICKLE_SUFFIXES, canonical_sources, is_gptq, open_checkpoint, read_config, refuse_quantized,
+)
 from npumoe.models.registry import adapter_for
 
 
-def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int, symmetric: bool = False) -> dict:
+def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int, symmetric: bool = False,
+                        progress: bool = False) -> dict:
     """Write the quantised checkpoint of ``src`` to ``out``; returns its config section."""
     src, out = Path(src), Path(out)
     cfg = read_config(src)
@@ -37,25 +43,46 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int,
     model_spec = adapter.spec(cfg)
     spec.check_format(bits, group, symmetric=symmetric)
     _check_destination(src, out)
-    tensors = read_tensors(src, adapter)
-    Weights(tensors, model_spec, source=str(src))  # refuse an incomplete or misshaped source before any work
-    names = checkpoint.quantized_names(model_spec)
+    sources = canonical_sources(open_checkpoint(src), adapter)
+    weights = Weights(sources, model_spec, source=str(src))  # refuse an incomplete or misshaped source, unread
+    names = set(checkpoint.quantized_names(model_spec))
     if not names:
         raise InputError(f"{src} has no routed experts to quantise; npumoe quantize is for MoE checkpoints.")
-    for name in names:
-        k = tensors[name].shape[1]
+    for name in sorted(names):
+        k = weights.source(name).shape[1]
         if k % group:
             raise InputError(f"{name} has K = {k} inputs, not a multiple of the group size {group}; pick a group "
                              f"size that divides {k}.")
-    packed = {name: spec.quantize_pack(tensors.pop(name).float().numpy(), bits, group, symmetric) for name in names}
-    kept = {name: tensors[name] for name in expected_shapes(model_spec) if name not in packed}
     info = checkpoint.section(bits, group, symmetric)
-    atomic_write_bytes(out / checkpoint.WEIGHTS_FILE, save(*checkpoint.to_safetensors(kept, packed)))
+    _write_weights(out / checkpoint.WEIGHTS_FILE, weights, names, bits, group, symmetric, progress)
     for file in src.iterdir():
         if file.is_file() and file.name != "config.json" and not _is_weights(file):
             atomic_write_bytes(out / file.name, file.read_bytes())
     atomic_write_text(out / "config.json", json.dumps(cfg | {checkpoint.SECTION: info}, indent=2))
     return info
+
+
+def _write_weights(path: Path, weights: Weights, packed: set[str], bits: int, group: int, symmetric: bool,
+                   progress: bool) -> None:
+    """Stream tensor by tensor from the mapped source into the output file: memory holds one matrix."""
+    writer = SafetensorsWriter(path)
+    meta = {}
+    try:
+        with Progress(*Progress.get_default_columns(), MofNCompleteColumn(), disable=not progress,
+                      transient=True) as bar:
+            for name in bar.track(list(weights), description=f"quantising experts to {bits} bits"):
+                stored = weights.source(name).read()
+                if name not in packed:
+                    writer.add(name, stored)
+                    continue
+                p = spec.quantize_pack(stored.float().numpy(), bits, group, symmetric)
+                for part in checkpoint.PARTS:
+                    writer.add(f"{name}.{part}", torch.from_numpy(getattr(p, part)))
+                meta[name] = asdict(p.meta)
+        writer.finish({checkpoint.METADATA_KEY: json.dumps(meta, sort_keys=True)})
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _is_weights(file: Path) -> bool:
@@ -89,6 +116,6 @@ def quantize_command(model_dir, bits, group, symmetric, out_dir):
       npumoe quantize --model DIR --bits 4 --group 64 --out DIR2
       npumoe generate --model DIR2
     """
-    info = quantize_checkpoint(model_dir, out_dir, bits, group, symmetric)
+    info = quantize_checkpoint(model_dir, out_dir, bits, group, symmetric, progress=True)
     kind = "symmetric" if info["symmetric"] else "asymmetric"
     click.echo(f"wrote {out_dir}: routed experts at {bits} bits, group {group}, {kind}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+import torch
 from npumoe.core.spec import ModelSpec, MoESpec
 from npumoe.core.weights import attention_shapes, expected_shapes, mlp_shapes
 from npumoe.models.loader import DEMO_DIR, is_gptq, load
@@ -67,6 +68,9 @@ def _human(n: float, unit: str = "") -> str:
     return f"{n:.3g} P{unit}"
 
 
+DTYPE_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+
 @click.command("inspect")
 @click.argument("model_dir", required=False, default=str(DEMO_DIR), type=click.Path())
 def inspect_command(model_dir: str):
@@ -89,6 +93,9 @@ def inspect_command(model_dir: str):
         f"fp32 {_human(counts['total'] * 4, 'B')}, fp16 {_human(counts['total'] * 2, 'B')}, "
         f"on disk {_human(disk, 'B')}"
     )
+    stored = ", ".join(f"{DTYPE_SHORT.get(d, str(d))} {_human(n)}" for d, n in model.weights.stored_dtypes.items())
+    console.print(f"stored as {stored} parameters; compute dtype {DTYPE_SHORT[model.weights.dtype]} "
+                  "(matrices; norms and router in fp32)")
     packed = getattr(model.weights, "packed", {})
     if packed:
         formats = ", ".join(f"{bits}-bit group {group}" for bits, group in sorted({(m.bits, m.group)

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
 from npumoe.core.spec import ModelSpec
-from npumoe.core.weights import Weights
+from npumoe.core.tensorfile import Checkpoint
+from npumoe.core.weights import TensorSource, Weights
 from npumoe.models.registry import adapter_for
 from npumoe.models.tokenizer import load_tokenizer
-from safetensors import SafetensorError, safe_open
 
 from npumoe.errors import ModelDirError, UnsupportedModelError, WeightError
 
@@ -66,22 +67,37 @@ def safetensors_files(path: Path) -> list[Path]:
     raise WeightError(f"{path} has no *.safetensors weights.")
 
 
+def open_checkpoint(path: Path) -> Checkpoint:
+    """The directory's safetensors, mapped (headers read and checked, no tensor data)."""
+    return Checkpoint.open(path, safetensors_files(path))
+
+
 def stored_tensors(path: Path):
-    """(name as stored, tensor) for every tensor in the directory's safetensors files."""
-    for file in safetensors_files(path):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    yield key, f.get_tensor(key)
-        except SafetensorError as err:
-            raise WeightError(f"{file.name} is not a readable safetensors file ({err}).") from err
+    """(name as stored, mapped tensor) for every tensor in the directory's safetensors files."""
+    ckpt = open_checkpoint(path)
+    for key in ckpt.entries:
+        yield key, ckpt.tensor(key)
+
+
+def canonical_sources(ckpt: Checkpoint, adapter) -> dict[str, TensorSource]:
+    """Canonical name → where to read it. The adapter's rules run on shape-only (meta) tensors
+    here and on the mapped tensor when one is read, so a stacked expert tensor is split into
+    views and only the expert asked for is ever copied."""
+    sources: dict[str, TensorSource] = {}
+    for key, entry in ckpt.entries.items():
+        shaped = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+        for name, t in adapter.canonical(key, shaped):
+            sources[name] = TensorSource(tuple(t.shape), entry.dtype, partial(_read_canonical, ckpt, adapter, key, name))
+    return sources
+
+
+def _read_canonical(ckpt: Checkpoint, adapter, key: str, name: str) -> torch.Tensor:
+    return dict(adapter.canonical(key, ckpt.tensor(key)))[name]
 
 
 def read_tensors(path: Path, adapter) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
-    for key, tensor in stored_tensors(path):
-        tensors.update(adapter.canonical(key, tensor))
-    return tensors
+    """Every canonical tensor, read (mapped views where the stored layout allows)."""
+    return {name: src.read() for name, src in canonical_sources(open_checkpoint(path), adapter).items()}
 
 
 def refuse_quantized(cfg: dict) -> None:
@@ -101,28 +117,32 @@ def is_gptq(cfg: dict) -> bool:
     return isinstance(quant, dict) and quant.get("quant_method") == "gptq"
 
 
-def _read_weights(path: Path, cfg: dict, adapter, spec: ModelSpec) -> Weights:
+def _read_weights(path: Path, cfg: dict, adapter, spec: ModelSpec, dtype: str) -> Weights:
     if is_gptq(cfg):  # a Hugging Face GPTQ export: its routed experts are already LUT-ready codes
         from npumoe.luts.checkpoint import QuantizedWeights
         from npumoe.luts.gptq_checkpoint import read
 
         tensors, packed = read(path, cfg, adapter, spec)
-        return QuantizedWeights(tensors, spec, packed, source=str(path))
+        return QuantizedWeights(tensors, spec, packed, source=str(path), dtype=dtype)
     if QUANTIZED in cfg:  # npumoe's own low-bit checkpoint (npumoe quantize)
         from npumoe.luts.checkpoint import QuantizedWeights, read
 
         tensors, packed = read(path, cfg)
-        return QuantizedWeights(tensors, spec, packed, source=str(path))
-    return Weights(read_tensors(path, adapter), spec, source=str(path))
+        return QuantizedWeights(tensors, spec, packed, source=str(path), dtype=dtype)
+    return Weights(canonical_sources(open_checkpoint(path), adapter), spec, source=str(path), dtype=dtype)
 
 
-def load(path: str | Path | None = None) -> Model:
-    """Load a checkpoint directory (default: the shipped demo model)."""
+def load(path: str | Path | None = None, dtype: str = "auto") -> Model:
+    """Load a checkpoint directory (default: the shipped demo model), its weights mapped, not read.
+
+    ``dtype`` is the compute dtype policy of :class:`~npumoe.core.weights.Weights`: ``auto`` (fp32
+    when an fp32 copy fits comfortably in memory, else the stored dtype), ``float32``, ``bfloat16``
+    or ``float16``."""
     path = Path(path) if path is not None else DEMO_DIR
     cfg = read_config(path)
     adapter = adapter_for(cfg.get("model_type"))
     if not is_gptq(cfg):
         refuse_quantized(cfg)
     spec = adapter.spec(cfg)
-    weights = _read_weights(path, cfg, adapter, spec)
+    weights = _read_weights(path, cfg, adapter, spec, dtype)
     return Model(spec=spec, weights=weights, config=cfg, path=path, tokenizer=load_tokenizer(path))

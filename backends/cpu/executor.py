@@ -51,6 +51,15 @@ def _sdpa(q, k, v, mask, sinks=None, *, scale):
     return torch.matmul(probs, v)
 
 
+def _linear(x, w, b=None):
+    """Activations are fp32; a bf16/fp16 matrix (a large model's compute dtype) multiplies them
+    rounded to its dtype, as that dtype's own model would, and the result returns to fp32."""
+    if w.dtype == x.dtype:
+        return F.linear(x, w, b)
+    y = F.linear(x.to(w.dtype), w).to(x.dtype)
+    return y if b is None else y + b
+
+
 def _lut_linear(x, w, b=None):
     """``w`` is a packed matrix (:class:`npumoe.luts.torch_op.LutLinear`): ``npumoe::lut_linear``."""
     y = w(x)
@@ -62,7 +71,7 @@ def _slice(x, *, axis, start, stop, step):
 
 
 OP_IMPLS: dict[str, Callable] = {
-    "linear": lambda x, w, b=None: F.linear(x, w, b),
+    "linear": _linear,
     "lut_linear": _lut_linear,
     "rmsnorm": _rmsnorm,
     "layernorm": _layernorm,

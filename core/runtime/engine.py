@@ -59,6 +59,7 @@ class Engine:
         self.cache = KVCache(self.program)
         self.metrics_ = Metrics()
         self.moe_layers = self._moe_layers()
+        self.embedding = model.weights["embed.weight"]  # once: in fp32 from a bf16 file, a converted copy
         self.rope_limit = min(filter(None, (short_context(ls.attention.rope) for ls in self.spec.layers)), default=None)
 
     # -- set-up ---------------------------------------------------------------------------
@@ -179,7 +180,7 @@ class Engine:
         """One static-shape pass over ``len(ids)`` positions, the first ``valid`` real."""
         seq, start, spec, m = len(ids), self.cache.length, self.spec, self.metrics_
         with m.time("embed"):
-            x = self.model.weights["embed.weight"][ids] * spec.embedding_scale
+            x = self.embedding[ids].float() * spec.embedding_scale
         for i, step in enumerate(self.program.layers):
             att = spec.layers[i].attention
             with m.time("rope_mask"):

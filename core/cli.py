@@ -87,7 +87,11 @@ def generate_command(model_dir, dtype, prompt, ids, max_new_tokens, chunk, max_c
     seconds = time.perf_counter() - start
     text = model.tokenizer.decode(new) if ids is None else " ".join(map(str, new.tolist()))
     click.echo(text)
-    click.echo(f"[{len(tokens)} prompt + {len(new)} new tokens in {seconds:.2f} s]", err=True)
+    timed = eng.metrics["seconds"]
+    steps = len(new) - 1  # the first new token comes from the prefill's logits
+    decode = f", decode {timed['decode'] / steps:.3g} s/token ({steps / timed['decode']:.3g} tok/s)" if steps else ""
+    click.echo(f"[{len(tokens)} prompt + {len(new)} new tokens in {seconds:.2f} s: prefill {timed['prefill']:.3g} s "
+               f"({len(tokens) / timed['prefill']:.3g} tok/s){decode}]", err=True)
     if trace_path:
         from npumoe.backends.qualcomm_htp.trace import write_trace
 

@@ -1,7 +1,7 @@
 """The Program: every static graph a model needs, and the host steps that connect them.
 
-Built from a spec and (optionally) a plan. Without a plan each MoE layer gets one graph
-per expert at capacity = sequence length, so no routed token can overflow and the
+Built from a spec and (optionally) a plan. Without a plan every expert is CPU-resident and
+runs on exactly the tokens routed to it: nothing can overflow, nothing is padded, and the
 program computes exactly what the checkpoint defines.
 """
 
@@ -61,10 +61,11 @@ def _add(graphs_: dict[str, Graph], g: Graph) -> str:
     return g.name
 
 
-def unplanned_groups(spec: ModelSpec, i: int, seq: int) -> list[ExpertGroup]:
-    """One group per expert with room for every token of the chunk: exact, never overflows."""
+def unplanned_groups(spec: ModelSpec, i: int) -> list[ExpertGroup]:
+    """Every expert CPU-resident, each run on its own tokens only: exact, never overflows, and a
+    chunk of T tokens costs top-k·T expert rows, not T rows for every expert it hits."""
     moe: MoESpec = spec.layers[i].ffn
-    return [ExpertGroup(f"L{i}.experts.e{e}.c{seq}", (e,), seq) for e in range(moe.num_experts)]
+    return [ExpertGroup(f"L{i}.cpu.all", tuple(range(moe.num_experts)), 0)]
 
 
 def build_program(spec: ModelSpec, chunk: int = 64, max_context: int = 512, plan=None) -> Program:
@@ -75,7 +76,7 @@ def build_program(spec: ModelSpec, chunk: int = 64, max_context: int = 512, plan
     for i, ls in enumerate(spec.layers):
         step = LayerStep(attention={s: _add(out, graphs.attention_graph(spec, i, s, max_context)) for s in seqs})
         if isinstance(ls.ffn, MoESpec):
-            groups = {s: (plan.groups(i, s) if plan is not None else unplanned_groups(spec, i, s)) for s in seqs}
+            groups = {s: (plan.groups(i, s) if plan is not None else unplanned_groups(spec, i)) for s in seqs}
             for s in seqs:
                 for grp in groups[s]:
                     if grp.capacity and grp.graph not in out:

@@ -33,6 +33,7 @@ _SIGNATURES = {
     "npumoe_lut_dequant": ([_W, _P, _I], None),
     "npumoe_lut_gemm": ([_W, _P, _I, _P, _I], ctypes.c_int),
     "npumoe_stream_read": ([_P, ctypes.c_size_t, _I, ctypes.c_size_t], ctypes.c_uint64),
+    "npumoe_bf16_gemv": ([_P, _P, _I, _I, _I, _P, _I], ctypes.c_int),
 }
 
 
@@ -130,6 +131,11 @@ class NativeCalls:
     def stream_read(self, buf, threads, prefetch) -> int:
         return self.lib.npumoe_stream_read(_ptr(buf), buf.nbytes, threads, prefetch)
 
+    def bf16_gemv(self, w, x, y, threads):
+        n, k = w.shape
+        if self.lib.npumoe_bf16_gemv(_ptr(w), _ptr(x), x.shape[0], n, k, _ptr(y), threads):
+            raise MemoryError("the bf16 GEMV could not allocate its split activations")
+
 
 def _activations(x, k: int) -> np.ndarray:
     """x as a C-contiguous float32 [K] or [M, K], copied only if it is not one (checked by identity first:
@@ -220,6 +226,20 @@ class LutKernels:
         out = _output(out, (w.row_blocks * ROWS, k))
         self.calls.dequantize(w, out, threads or default_threads())
         return out[:n]
+
+    def bf16_gemv(self, w: np.ndarray, x: np.ndarray, threads: int | None = None,
+                  out: np.ndarray | None = None) -> np.ndarray:
+        """y [M, N] = x [M, K] Wᵀ in fp32 for W [N, K] stored as bf16: ``w`` holds its bit patterns as a
+        C-contiguous 16-bit integer array (numpy has no bf16; a torch tensor's ``.view(torch.int16)``).
+        Each weight row is read once for all M rows of x."""
+        if w.dtype.itemsize != 2 or w.dtype.kind not in "iu" or w.ndim != 2 or not w.flags.c_contiguous:
+            raise InputError(f"a bf16 weight goes in as a C-contiguous 2-D 16-bit integer array, got {w.dtype} "
+                             f"{list(w.shape)}.")
+        n, k = w.shape
+        x = _activations(x, k).reshape(-1, k)
+        y = _output(out, (x.shape[0], n))
+        self.calls.bf16_gemv(w, x, y, threads or default_threads())
+        return y
 
     def stream_read(self, buf: np.ndarray, threads: int | None = None, prefetch: int = 0) -> int:
         """Read ``buf`` once (the bandwidth probe), each line prefetched into L2 ``prefetch`` bytes ahead

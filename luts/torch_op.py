@@ -52,6 +52,21 @@ def _compute(x: torch.Tensor, weight: layout.TiledWeight) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(y)).reshape(*x.shape[:-1], n).to(x.dtype)
 
 
+BF16_GEMV_MAX_ROWS = 16  # past this, widening the matrix once for one fp32 GEMM is faster
+
+
+def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x [..., K] (fp32) · Wᵀ for a C-contiguous bf16 W through the bf16 GEMV kernel, reading W once at
+    2 bytes a weight; None where it does not apply (more rows than it pays for, a strided W)."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if not 0 < rows <= BF16_GEMV_MAX_ROWS or x.dtype != torch.float32 or not w.is_contiguous() or not _eager(x):
+        return None
+    y = _kernels().bf16_gemv(w.detach().view(torch.int16).numpy(), x.detach().reshape(rows, k).contiguous().numpy(),
+                             torch.get_num_threads())
+    return torch.from_numpy(y).reshape(*x.shape[:-1], w.shape[0])
+
+
 @torch.library.custom_op("npumoe::lut_linear", mutates_args=())
 def lut_linear(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
                group: int, out_features: int) -> torch.Tensor:

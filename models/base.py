@@ -24,8 +24,10 @@ L = r"model\.layers\.(\d+)\."
 def rename(template: str) -> Callable[[re.Match, torch.Tensor], Tensors]:
     """A rule that maps one tensor to one canonical name (regex groups fill the template)."""
 
+    fmt = re.sub(r"\\(\d)", lambda g: f"{{{int(g.group(1)) - 1}}}", template)  # \1 → {0}: Match.expand re-parses
+
     def handler(m: re.Match, t: torch.Tensor) -> Tensors:
-        yield m.expand(template), t
+        yield fmt.format(*m.groups()), t
 
     return handler
 

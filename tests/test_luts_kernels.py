@@ -228,3 +228,26 @@ def test_auto_moves_past_a_kernel_the_compiler_cannot_build(monkeypatch):
     assert kernels.kernels().isa == "portable"
     with pytest.raises(BackendUnavailableError, match="compiling the LUT kernels failed"):
         kernels.kernels("avx2")
+
+
+@pytest.mark.parametrize("n,k,m", [(1, 16, 1), (5, 16, 3), (37, 70, 2), (64, 512, 17), (130, 1040, 1)])
+def test_bf16_gemv_is_fp32_math_on_the_bf16_values(lut, n, k, m):
+    """Row counts around the 4-row block, K off the 16-input step: the widened bf16 weights times x,
+    summed in fp32, against fp64 on the same values (bound: fp32 rounding over K terms)."""
+    rng = np.random.default_rng(n * k + m)
+    bits = (rng.standard_normal((n, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    w = (bits.astype(np.uint32) << 16).view(np.float32)  # the values those bf16 patterns hold
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = lut.bf16_gemv(bits, x)
+    exact = x.astype(np.float64) @ w.astype(np.float64).T
+    assert y.shape == (m, n) and y.dtype == np.float32
+    assert np.all(np.abs(y - exact) <= k * 2**-23 * (np.abs(x) @ np.abs(w).T) + 1e-30)
+
+
+def test_bf16_gemv_refuses_what_is_not_a_bf16_matrix(lut):
+    x = np.ones((1, 16), np.float32)
+    for bad in (np.ones((4, 16), np.float32), np.ones((16, 4), np.uint16).T, np.ones(16, np.uint16)):
+        with pytest.raises(InputError, match="bf16 weight"):
+            lut.bf16_gemv(bad, x)
+    with pytest.raises(InputError, match="do not fit"):
+        lut.bf16_gemv(np.ones((4, 32), np.uint16), x)

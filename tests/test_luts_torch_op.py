@@ -69,3 +69,18 @@ def test_wrong_input_width_is_refused(layer):
     _, module = layer
     with pytest.raises(InputError, match="do not fit a weight with 256 inputs"):
         module(torch.randn(2, 128))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+def test_bf16_linear_widens_the_weight_exactly(rows):
+    """The CPU executor's linear on a bf16 matrix: the kernel for few rows, torch past them; either way
+    fp32 math on the widened weights (torch's F.linear on w.float() is the truth)."""
+    from npumoe.backends.cpu.executor import OP_IMPLS
+    from npumoe.luts.torch_op import BF16_GEMV_MAX_ROWS, bf16_linear
+
+    torch.manual_seed(rows)
+    w, x, b = torch.randn(70, 96).to(torch.bfloat16), torch.randn(rows, 96), torch.randn(70)
+    expected = torch.nn.functional.linear(x, w.float(), b)
+    torch.testing.assert_close(OP_IMPLS["linear"](x, w, b), expected, rtol=0, atol=1e-4)
+    assert (bf16_linear(x, w) is None) == (rows > BF16_GEMV_MAX_ROWS)
+    assert bf16_linear(x, w.T.contiguous().T) is None  # strided: torch's path

@@ -197,3 +197,20 @@ def test_streaming_writer_round_trips_through_safetensors(tmp_path):
         assert back[name].dtype == t.dtype and torch.equal(back[name], t)
     assert SafetensorsFile(tmp_path / "out.safetensors").metadata == {"note": "hi"}
     assert [p.name for p in tmp_path.iterdir()] == ["out.safetensors"]  # no temporary left behind
+
+
+def test_bench_scale_checkpoint_is_what_transformers_reads(tmp_path):
+    """The benchmark's random checkpoint (a real config, shrunk here) is laid out as the Hub stores it:
+    transformers loads it without a missing or unexpected key and computes npumoe's logits."""
+    from npumoe.core.bench_scale import OLMOE_1B_7B_0924, write_random_checkpoint
+
+    small = dict(hidden_size=64, intermediate_size=32, num_experts=4, num_hidden_layers=2, vocab_size=300,
+                 num_attention_heads=4, num_key_value_heads=4, num_experts_per_tok=2, eos_token_id=299)
+    path = write_random_checkpoint({**OLMOE_1B_7B_0924, **small}, tmp_path / "olmoe", progress=False)
+    assert (path / "model.safetensors.index.json").is_file()
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
+    ids = np.arange(1, 12)
+    ref, _ = hf_routing(hf.eval(), ids)
+    ours = npumoe.Engine(npumoe.load(path, dtype="float32"), chunk=8).forward(ids)
+    np.testing.assert_allclose(ours, ref, atol=LOGIT_TOL, rtol=0)

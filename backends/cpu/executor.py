@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op
+from npumoe.luts.torch_op import bf16_linear
 
 
 def _rmsnorm(x, w, *, eps):
@@ -40,7 +41,8 @@ def _rope(x, cos, sin, *, rotary_dim, interleaved):
 
 def _sdpa(q, k, v, mask, sinks=None, *, scale):
     groups = q.shape[0] // k.shape[0]
-    k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+    if groups > 1:  # (a copy of the whole cache: skipped when every query head has its own)
+        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
     logits = torch.matmul(q, k.transpose(1, 2)) * scale + mask
     if sinks is None:
         probs = torch.softmax(logits, dim=-1)
@@ -52,12 +54,12 @@ def _sdpa(q, k, v, mask, sinks=None, *, scale):
 
 
 def _linear(x, w, b=None):
-    """Activations are fp32; a bf16/fp16 matrix (a large model's compute dtype) multiplies them
-    rounded to its dtype, as that dtype's own model would, and the result returns to fp32."""
-    if w.dtype == x.dtype:
-        return F.linear(x, w, b)
-    y = F.linear(x.to(w.dtype), w).to(x.dtype)
-    return y if b is None else y + b
+    """A bf16/fp16 matrix (a large model's compute dtype) is widened exactly to fp32 for the
+    product: activations, products and sums stay fp32, so only the weights' rounding differs
+    from fp32 and the result does not depend on how many rows a call carries."""
+    if w.dtype == torch.bfloat16 and (y := bf16_linear(x, w)) is not None:  # decode: w read at 2 bytes a weight
+        return y if b is None else y + b
+    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), b)
 
 
 def _lut_linear(x, w, b=None):

@@ -119,7 +119,8 @@ class Engine:
             )
         self._check_rope_range(len(ids) + max_new_tokens)
         self.cache.reset()
-        logits = self._prefill(ids)[-1]
+        with self.metrics_.time("prefill"):
+            logits = self._prefill(ids)[-1]
         new: list[int] = []
         seen: list[torch.Tensor] = []
         eos = set(self.spec.eos_token_ids)
@@ -130,7 +131,8 @@ class Engine:
             new.append(token)
             if token in eos or len(new) == max_new_tokens:
                 break
-            logits = self._step(torch.tensor([token]), valid=1)[0]
+            with self.metrics_.time("decode"):
+                logits = self._step(torch.tensor([token]), valid=1)[0]
         tokens = np.asarray(new, dtype=np.int64)
         return (tokens, torch.stack(seen).numpy()) if return_logits else tokens
 

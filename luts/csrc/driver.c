@@ -8,6 +8,7 @@
  *             op 2 gemv:    x[m][k] f32, weight       -> y[m][NB*16] f32, acc[m][NB*16][G] i32
  *             op 3 dequant: weight                    -> w[NB*16][k] f32
  *             op 4 gemm:    x[m][k] f32, weight       -> y[m][NB*16] f32
+ *             op 5 bf16:    x[m][k] f32, w[NB][k] bf16 -> y[m][NB] f32   (NB: rows, not blocks, here)
  *   weight:   tiles[NB][k/32][bits][64] u8, scales[NB][G][16] f16, zeros[NB][G][16] u8 if has_zeros
  */
 #include <stdio.h>
@@ -20,6 +21,7 @@ void npumoe_lut_tables(const float *, int, int, int, void *, float *, int32_t *)
 int npumoe_lut_gemv(const lut_weight *, const float *, int, int, float *, int32_t *, int);
 void npumoe_lut_dequant(const lut_weight *, float *, int);
 int npumoe_lut_gemm(const lut_weight *, const float *, int, float *, int);
+int npumoe_bf16_gemv(const uint16_t *, const float *, int, int, int, float *, int);
 
 static void *take(FILE *f, size_t bytes) {
     void *p = malloc(bytes ? bytes : 1);
@@ -53,7 +55,7 @@ int main(int argc, char **argv) {
     float *x = op == 1 ? take(in, sizeof(float) * k) : op != 3 ? take(in, sizeof(float) * m * k) : NULL;
     uint8_t *tiles = NULL, *zeros = NULL;
     uint16_t *scales = NULL;
-    if (op >= 2) {
+    if (op >= 2 && op <= 4) {
         tiles = take(in, (size_t)nb * (k / LUT_TILE_K) * bits * LUT_TILE_BYTES);
         scales = take(in, sizeof(uint16_t) * rows * groups);
         zeros = h[7] ? take(in, rows * groups) : NULL;
@@ -81,6 +83,11 @@ int main(int argc, char **argv) {
         float *y = malloc(sizeof(float) * m * rows);
         if (npumoe_lut_gemm(&w, x, m, y, threads)) return 1;
         give(out, y, sizeof(float) * m * rows);
+    } else if (op == 5) {
+        uint16_t *bf16 = take(in, sizeof(uint16_t) * nb * k);
+        float *y = malloc(sizeof(float) * m * nb);
+        if (npumoe_bf16_gemv(bf16, x, m, nb, k, y, threads)) return 1;
+        give(out, y, sizeof(float) * m * nb);
     } else {
         fprintf(stderr, "driver: unknown op %d\n", op);
         return 2;

@@ -80,19 +80,35 @@ class BackendBase:
         that quantise activations (the HTP's QDQ precisions) need it."""
 
     def build(self, graphs: list[Graph], weights, out_dir: Path, progress: bool = True) -> dict[str, dict]:
-        from rich.progress import Progress
+        """Lower graph by graph through the build cache: a graph lowered before (same IR, weights and
+        backend) is linked from the cache, so a killed build resumes where it stopped."""
+        from npumoe.backends.build_cache import BuildCache, unit_key
 
-        entries = {}
-        with Progress(disable=not progress, transient=True) as bar:
+        cache, description, entries = BuildCache(), self.describe(), {}
+        with build_progress(progress) as bar:
             task = bar.add_task(f"compiling for {self.name}", total=len(graphs))
             for g in graphs:
                 bar.update(task, description=f"{self.name}: {g.name}")
-                entries[g.name] = self.lower(g, weights, out_dir)
+                key = unit_key([g], weights, description, self.cache_salt(g))
+                entries |= cache.unit(key, out_dir, lambda unit_dir, g=g: {g.name: self.lower(g, weights, unit_dir)})
                 bar.advance(task)
         return entries
 
+    def cache_salt(self, graph: Graph):
+        """What else a lowered graph depends on beyond its IR, weights and :meth:`describe` (JSON-able)."""
+        return None
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.name}
+
+
+def build_progress(enabled: bool):
+    """The build's progress bar: units done, elapsed, and the time left at the pace so far."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("ETA"), TimeRemainingColumn(), disable=not enabled, transient=True)
 
 
 BUILTIN = {

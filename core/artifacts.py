@@ -42,8 +42,11 @@ def io_description(graph: Graph) -> dict:
 
 
 def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512, progress: bool = True,
-          **backend_options) -> dict:
-    """Lower every NPU-placed graph of the planned program for ``target``; return the manifest."""
+          layers: set[int] | None = None, **backend_options) -> dict:
+    """Lower every NPU-placed graph of the planned program for ``target``; return the manifest.
+
+    ``layers`` builds only those layers' graphs, for a quick look at a large model (the result
+    records it and does not run)."""
     from npumoe.backends.base import get_backend
 
     if plan.target != target:
@@ -53,6 +56,14 @@ def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512,
     npu_graphs = [g for g in program.graphs.values() if g.placement == "npu"]
     if not npu_graphs:
         raise InputError("the plan places no graph on the NPU (residency cpu?); there is nothing to build.")
+    if layers is not None:
+        outside = sorted(set(layers) - set(range(model.spec.num_layers)))
+        if outside:
+            raise InputError(f"--layers names layer {outside[0]}, but {model.name} has layers 0-"
+                             f"{model.spec.num_layers - 1}.")
+        npu_graphs = [g for g in npu_graphs if g.layer in layers]
+        if not npu_graphs:
+            raise InputError(f"the plan places no graph of layers {sorted(layers)} on the NPU; nothing to build.")
     backend = get_backend(target, **backend_options)
     backend.calibrate(model, plan, max_context, [g.name for g in npu_graphs])
     out_dir = Path(out_dir)
@@ -69,7 +80,9 @@ def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512,
             "chunk": plan.chunk,
             "max_context": max_context,
             "plan": plan.to_json(),
-            "graphs": {g.name: {**io_description(g), **entries[g.name]} for g in npu_graphs},
+            "layers": sorted(layers) if layers is not None else None,  # a partial build when set
+            "graphs": {g.name: {**io_description(g), **entries[g.name], "bytes": _bytes(staging, entries[g.name])}
+                       for g in npu_graphs},
             "files": {
                 str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()
             },
@@ -80,6 +93,12 @@ def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512,
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return manifest
+
+
+def _bytes(root: Path, entry: dict) -> int:
+    """Bytes on disk of the files an entry names (a directory counts with everything in it)."""
+    paths = [root / rel for rel in entry.get("files", [])]
+    return sum(p.stat().st_size for top in paths for p in [top, *top.rglob("*")] if p.is_file())
 
 
 def _replace_dir(new: Path, dest: Path) -> None:
@@ -119,6 +138,9 @@ def load_executors(backend, out_dir: str | Path, graphs: list[Graph], weights, m
             f"not {model.name}; rebuild for this model."
         )
     missing = [g.name for g in graphs if g.name not in manifest["graphs"]]
+    if missing and manifest.get("layers") is not None:
+        raise ArtifactError(f"{out_dir} holds only layers {manifest['layers']} (built with --layers), not "
+                            f"{missing[0]!r}; build every layer to run the model.")
     if missing:
         raise ArtifactError(f"{out_dir} has no compiled graph {missing[0]!r}; it was built from another plan.")
     return {g.name: backend.load(manifest["graphs"][g.name], Path(out_dir), g, weights) for g in graphs}

@@ -9,6 +9,7 @@ from rich.table import Table
 from npumoe.core.artifacts import build
 from npumoe.core.cli import dtype_option, model_option
 from npumoe.core.plan import Plan
+from npumoe.errors import InputError
 from npumoe.models.loader import load
 
 
@@ -23,18 +24,38 @@ from npumoe.models.loader import load
 @click.option("--via", default=None, help="Toolchain: htp: onnx (default) | executorch; ane: coreml (default) | executorch.")
 @click.option("--precision", default=None, help="htp: fp16 | w8a16 | w4a16; ane: fp16 | int4 | palettize4 | palettize2.")
 @click.option("--soc", default=None, help="htp: Snapdragon SoC model number (69 = 8 Elite, 57 = 8 Gen 3).")
-def build_command(model_dir, dtype, plan_path, target, out, max_context, via, precision, soc):
+@click.option("--layers", default=None, help="Build only these layers' graphs, e.g. 0 or 0-3,7: a quick look at a "
+                                             "large model (the result does not run).")
+@click.option("--keep-onnx", is_flag=True, help="htp: also keep each graph's ONNX model (fp32 weights), which "
+                                                 "npumoe hub compile needs; off, only the context binaries are kept.")
+def build_command(model_dir, dtype, plan_path, target, out, max_context, via, precision, soc, layers, keep_onnx):
     """Compile every NPU-placed graph of the plan, write the artifacts and manifest.json.
 
     Example: npumoe build --plan plan.json --target htp --precision w8a16 --out build/htp
     """
     model = load(model_dir, dtype=dtype)
-    options = {k: v for k, v in {"via": via, "precision": precision, "soc": soc}.items() if v is not None}
-    manifest = build(model, Plan.load(plan_path), target, out, max_context=max_context, **options)
-    table = Table("graph", "kind", "inputs", "files")
+    options = {k: v for k, v in {"via": via, "precision": precision, "soc": soc, "keep_onnx": keep_onnx or None}.items()
+               if v is not None}
+    manifest = build(model, Plan.load(plan_path), target, out, max_context=max_context,
+                     layers=parse_layers(layers) if layers else None, **options)
+    table = Table("graph", "kind", "inputs", "MB", "compile s", "files")
     for name, g in manifest["graphs"].items():
-        table.add_row(name, g["kind"], " ".join(f"{k}{v}" for k, v in g["inputs"].items()),
-                      ", ".join(g.get("files", [])))
+        table.add_row(name, g["kind"], " ".join(f"{k}{v}" for k, v in g["inputs"].items()), f"{g['bytes'] / 1e6:.1f}",
+                      "cached" if g["cached"] else f"{g['seconds']:.1f}", ", ".join(g.get("files", [])))
     Console().print(table)
-    size = sum(1 for _ in manifest["files"])
-    click.echo(f"wrote {out}: {len(manifest['graphs'])} graphs, {size} files, manifest.json")
+    cached = sum(g["cached"] for g in manifest["graphs"].values())
+    total = sum(g["bytes"] for g in manifest["graphs"].values())
+    click.echo(f"wrote {out}: {len(manifest['graphs'])} graphs ({cached} from the build cache), "
+               f"{len(manifest['files'])} files, {total / 1e6:.1f} MB, manifest.json")
+
+
+def parse_layers(text: str) -> set[int]:
+    """"0-3,7" → {0, 1, 2, 3, 7}."""
+    layers: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            layers.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise InputError(f"--layers takes layer numbers and ranges like 0-3,7, not {text!r}.") from None
+    return layers

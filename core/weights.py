@@ -8,6 +8,7 @@ as separate modules or as stacked 3-D tensors.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import weakref
 from collections.abc import Callable, Mapping
@@ -225,6 +226,14 @@ class Weights(Mapping):
     def __len__(self) -> int:
         return len(self._sources)
 
+    def digest(self, names) -> str:
+        """A hash of the named tensors as stored (see :func:`weights_digest`)."""
+        h = hashlib.blake2b(digest_size=16)
+        for name in names:
+            h.update(name.encode())
+            tensor_digest(h, self.source(name).read())
+        return h.hexdigest()
+
     @property
     def stored_dtypes(self) -> dict[torch.dtype, int]:
         """Parameters per stored dtype."""
@@ -232,6 +241,26 @@ class Weights(Mapping):
         for s in self._sources.values():
             counts[s.dtype] = counts.get(s.dtype, 0) + math.prod(s.shape)
         return counts
+
+
+def tensor_digest(h, tensor: torch.Tensor) -> None:
+    """Feed a tensor's dtype, shape and bytes to the hash ``h``."""
+    tensor = tensor.detach().contiguous()
+    h.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    if tensor.numel():
+        h.update(tensor.view(-1).view(torch.uint8).numpy())
+
+
+def weights_digest(weights: Mapping[str, torch.Tensor], names) -> str:
+    """A hash of the named weights' stored bytes (what a built artifact depends on): a :class:`Weights`
+    answers from its stored tensors, so a mapped bf16 checkpoint is hashed without widening it."""
+    if isinstance(weights, Weights):
+        return weights.digest(names)
+    h = hashlib.blake2b(digest_size=16)
+    for name in names:
+        h.update(name.encode())
+        tensor_digest(h, weights[name])
+    return h.hexdigest()
 
 
 def weight_shape(weights: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:

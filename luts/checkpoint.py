@@ -21,13 +21,14 @@ when it asks for it, so a loaded model holds its experts at their packed size.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import torch
 from npumoe.core.spec import ModelSpec, MoESpec
 from npumoe.core.tensorfile import SafetensorsFile
-from npumoe.core.weights import Weights, expert
+from npumoe.core.weights import Weights, expert, tensor_digest
 from npumoe.errors import WeightError
 from npumoe.luts import spec
 from npumoe.luts.torch_op import LutLinear
@@ -98,6 +99,16 @@ class QuantizedWeights(Weights):
         shapes = {name: torch.empty(p.meta.shape, device="meta") for name, p in packed.items()}
         super().__init__(tensors | shapes, model_spec, source, dtype)
         self.packed = {name: LutLinear(p) for name, p in packed.items()}
+
+    def digest(self, names) -> str:
+        """Packed matrices are hashed by their packed arrays (their shape source holds no data)."""
+        plain = [n for n in names if n not in self.packed]
+        h = hashlib.blake2b(super().digest(plain).encode(), digest_size=16)
+        for name in (n for n in names if n in self.packed):
+            h.update(name.encode())
+            for buffer in self.packed[name].buffers():
+                tensor_digest(h, buffer)
+        return h.hexdigest()
 
     @property
     def stored_dtypes(self) -> dict[torch.dtype, int]:

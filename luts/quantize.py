@@ -23,8 +23,9 @@ from npumoe.core.weights import Weights
 from npumoe.errors import InputError
 from npumoe.luts import checkpoint, spec
 from npumoe.models.loader import (
-    PICKLE_SUFFIXES, canonical_sources, is_gptq, open_checkpoint, read_config, refuse_quantized,
+    PICKLE_SUFFIXES, canonical_sources, is_gptq, open_checkpoint, read_config,
 )
+from npumoe.models.stored_formats import stored_format, views
 from npumoe.models.registry import adapter_for
 
 
@@ -38,12 +39,12 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int,
     if is_gptq(cfg):
         raise InputError(f"{src} is a GPTQ export, which npumoe loads as it is (routed experts run packed on the LUT "
                          "kernels); quantise the original checkpoint instead to choose other bits.")
-    refuse_quantized(cfg)
+    stored_format(cfg)  # FP8 and MXFP4 sources are widened tensor by tensor; other quantisations refused
     adapter = adapter_for(cfg.get("model_type"))
     model_spec = adapter.spec(cfg)
     spec.check_format(bits, group, symmetric=symmetric)
     _check_destination(src, out)
-    sources = canonical_sources(open_checkpoint(src), adapter)
+    sources = canonical_sources(views(open_checkpoint(src), cfg), adapter)
     weights = Weights(sources, model_spec, source=str(src))  # refuse an incomplete or misshaped source, unread
     names = set(checkpoint.quantized_names(model_spec))
     if not names:
@@ -58,7 +59,8 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int,
     for file in src.iterdir():
         if file.is_file() and file.name != "config.json" and not _is_weights(file):
             atomic_write_bytes(out / file.name, file.read_bytes())
-    atomic_write_text(out / "config.json", json.dumps(cfg | {checkpoint.SECTION: info}, indent=2))
+    plain = {k: v for k, v in cfg.items() if k != "quantization_config"}  # the source's format is gone
+    atomic_write_text(out / "config.json", json.dumps(plain | {checkpoint.SECTION: info}, indent=2))
     return info
 
 

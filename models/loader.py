@@ -7,6 +7,7 @@ when loaded, so npumoe refuses them and says how to convert.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -16,6 +17,7 @@ from npumoe.core.spec import ModelSpec
 from npumoe.core.tensorfile import Checkpoint
 from npumoe.core.weights import TensorSource, Weights
 from npumoe.models.registry import adapter_for
+from npumoe.models.stored_formats import StoredView, plain_views, stored_format, views
 from npumoe.models.tokenizer import load_tokenizer
 
 from npumoe.errors import ModelDirError, UnsupportedModelError, WeightError
@@ -79,37 +81,37 @@ def stored_tensors(path: Path):
         yield key, ckpt.tensor(key)
 
 
-def canonical_sources(ckpt: Checkpoint, adapter) -> dict[str, TensorSource]:
+def canonical_sources(views: list[StoredView], adapter) -> dict[str, TensorSource]:
     """Canonical name → where to read it. The adapter's rules run on shape-only (meta) tensors
-    here and on the mapped tensor when one is read, so a stacked expert tensor is split into
-    views and only the expert asked for is ever copied."""
+    here and on the stored tensor when one is read; an expert of a stacked tensor is read alone
+    (a view of it, or for a compressed format only its expert widened)."""
     sources: dict[str, TensorSource] = {}
-    for key, entry in ckpt.entries.items():
-        shaped = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
-        for name, t in adapter.canonical(key, shaped):
-            sources[name] = TensorSource(tuple(t.shape), entry.dtype, partial(_read_canonical, ckpt, adapter, key, name))
+    for view in views:
+        shaped = torch.empty(view.shape, dtype=view.dtype, device="meta")
+        for name, t in adapter.canonical(view.key, shaped):
+            expert = EXPERT.search(name)
+            read = partial(_read_canonical, view, adapter, name)
+            if expert and view.read_expert is not None and not EXPERT.search(view.key):  # one of a stack
+                read = partial(_read_stacked_expert, view, adapter, name, int(expert.group(1)))
+            sources[name] = TensorSource(tuple(t.shape), view.dtype, read)
     return sources
 
 
-def _read_canonical(ckpt: Checkpoint, adapter, key: str, name: str) -> torch.Tensor:
-    return dict(adapter.canonical(key, ckpt.tensor(key)))[name]
+EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _read_canonical(view: StoredView, adapter, name: str) -> torch.Tensor:
+    return dict(adapter.canonical(view.key, view.read()))[name]
+
+
+def _read_stacked_expert(view: StoredView, adapter, name: str, expert: int) -> torch.Tensor:
+    """Expert ``expert``'s tensor from a stack of one: the adapter names it expert 0."""
+    return dict(adapter.canonical(view.key, view.read_expert(expert)))[EXPERT.sub(".experts.0.", name, count=1)]
 
 
 def read_tensors(path: Path, adapter) -> dict[str, torch.Tensor]:
-    """Every canonical tensor, read (mapped views where the stored layout allows)."""
-    return {name: src.read() for name, src in canonical_sources(open_checkpoint(path), adapter).items()}
-
-
-def refuse_quantized(cfg: dict) -> None:
-    """Quantized checkpoints other than GPTQ (FP8 DeepSeek-V3, MXFP4 gpt-oss, AWQ, ...) store
-    scales beside their weights; reading the weights alone would be a silent wrong answer."""
-    quant = cfg.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "an unknown method") if isinstance(quant, dict) else quant
-        raise UnsupportedModelError(
-            f"this checkpoint is quantized ({method}); npumoe reads unquantized bf16/fp16/fp32 weights and "
-            "GPTQ exports, so use a dequantized copy of the model."
-        )
+    """Every canonical tensor of a plain checkpoint, read (mapped views where the stored layout allows)."""
+    return {name: src.read() for name, src in canonical_sources(plain_views(open_checkpoint(path)), adapter).items()}
 
 
 def is_gptq(cfg: dict) -> bool:
@@ -129,7 +131,7 @@ def _read_weights(path: Path, cfg: dict, adapter, spec: ModelSpec, dtype: str) -
 
         tensors, packed = read(path, cfg)
         return QuantizedWeights(tensors, spec, packed, source=str(path), dtype=dtype)
-    return Weights(canonical_sources(open_checkpoint(path), adapter), spec, source=str(path), dtype=dtype)
+    return Weights(canonical_sources(views(open_checkpoint(path), cfg), adapter), spec, source=str(path), dtype=dtype)
 
 
 def load(path: str | Path | None = None, dtype: str = "auto") -> Model:
@@ -142,7 +144,7 @@ def load(path: str | Path | None = None, dtype: str = "auto") -> Model:
     cfg = read_config(path)
     adapter = adapter_for(cfg.get("model_type"))
     if not is_gptq(cfg):
-        refuse_quantized(cfg)
+        stored_format(cfg)  # refuses a quantisation npumoe cannot read, before any work
     spec = adapter.spec(cfg)
     weights = _read_weights(path, cfg, adapter, spec, dtype)
     return Model(spec=spec, weights=weights, config=cfg, path=path, tokenizer=load_tokenizer(path))

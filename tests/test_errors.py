@@ -55,8 +55,8 @@ def test_unknown_model_type_lists_supported(tiny, tmp_path, capsys):
 def test_quantized_checkpoint_is_refused(tiny, tmp_path, capsys):
     path = copy_checkpoint(tiny, tmp_path / "m")
     cfg = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "fp8"}}))
-    with pytest.raises(UnsupportedModelError, match=r"quantized \(fp8\).*dequantized copy"):
+    (path / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(UnsupportedModelError, match=r"quantized \(awq\).*dequantized copy"):
         npumoe.load(path)
     assert "quantized" in cli_error(capsys, "inspect", str(path))
 

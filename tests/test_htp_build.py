@@ -58,13 +58,14 @@ def htp_plan(model, tmp_path_factory):
 @pytest.fixture(scope="module")
 def fp16(model, htp_plan, tmp_path_factory):
     out = tmp_path_factory.mktemp("htp") / "fp16"
-    return out, build(model, htp_plan, "htp", out, max_context=MAX_CONTEXT, progress=False)
+    return out, build(model, htp_plan, "htp", out, max_context=MAX_CONTEXT, progress=False, keep_onnx=True)
 
 
 @pytest.fixture(scope="module")
 def w8a16(model, htp_plan, tmp_path_factory):
     out = tmp_path_factory.mktemp("htp") / "w8a16"
-    return out, build(model, htp_plan, "htp", out, max_context=MAX_CONTEXT, progress=False, precision="w8a16")
+    return out, build(model, htp_plan, "htp", out, max_context=MAX_CONTEXT, progress=False, precision="w8a16",
+                      keep_onnx=True)
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +121,12 @@ def test_epcontext_reload_gives_the_compiled_graphs_outputs(fp16):
             np.testing.assert_array_equal(a, b)
 
 
-def test_rebuild_gives_identical_onnx_bytes(model, htp_plan, fp16, tmp_path):
+def test_rebuild_gives_identical_onnx_bytes(model, htp_plan, fp16, tmp_path, monkeypatch):
     manifest = fp16[1]
-    again = build(model, htp_plan, "htp", tmp_path / "again", max_context=MAX_CONTEXT, progress=False)
+    monkeypatch.setenv("NPUMOE_BUILD_CACHE", str(tmp_path / "empty-cache"))  # compiled afresh, not linked
+    again = build(model, htp_plan, "htp", tmp_path / "again", max_context=MAX_CONTEXT, progress=False,
+                  keep_onnx=True)
+    assert not any(g["cached"] for g in again["graphs"].values())
     onnx_files = [f for f in manifest["files"] if f.endswith(".onnx")]
     assert len(onnx_files) == 2 * len(manifest["graphs"])  # the plain graph and its EPContext model
     for rel in onnx_files:
@@ -175,6 +179,9 @@ def test_cli_build_generate_and_trace(model, htp_plan, reference, tmp_path, caps
          "--max-context", str(MAX_CONTEXT), "--out", str(out)])
     manifest = json.loads((out / "manifest.json").read_text())
     assert (manifest["backend"]["soc_model"], manifest["backend"]["htp_arch"]) == ("57", "v75")
+    # by default only what the device runs: each graph's context model and binary, not its fp32 ONNX
+    assert all(entry["onnx"] is None for entry in manifest["graphs"].values())
+    assert not [f for f in manifest["files"] if f.endswith(".onnx") and not f.endswith("_ctx.onnx")]
     capsys.readouterr()
     prompt = ids(PROMPTS[0])[:24]
     cli(["generate", "--model", str(model.path), "--target", "htp", "--artifacts", str(out), "-n", "4",

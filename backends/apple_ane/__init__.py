@@ -20,7 +20,8 @@ from npumoe.backends.apple_ane.caps import ANE_CAPS
 from npumoe.backends.apple_ane.compress import precision_for, scheme
 from npumoe.backends.apple_ane.packaging import PackagePlan, function_name, plan_packages
 from npumoe.backends.apple_ane.rules import DEFAULT_PLATFORM, POSITION_INPUT
-from npumoe.backends.base import BackendBase
+from npumoe.backends.base import BackendBase, build_progress
+from npumoe.backends.build_cache import BuildCache, unit_key
 from npumoe.errors import ArtifactError, BackendUnavailableError, InputError
 
 VIAS = ("coreml", "executorch")
@@ -61,14 +62,18 @@ class AneBackend(BackendBase):
 
     # -- build -----------------------------------------------------------------------------------
     def build(self, graphs, weights, out_dir: Path, progress: bool = True) -> dict[str, dict]:
-        from rich.progress import Progress
-
         require_coremltools()
-        entries: dict[str, dict] = {}
-        with Progress(disable=not progress, transient=True) as bar:
+        cache, entries = BuildCache(), {}
+        description = {k: v for k, v in self.describe().items() if k != "packages"}  # packages: what is built
+        with build_progress(progress) as bar:
             task = bar.add_task(f"compiling for {self.name}", total=len(graphs))
             for pkg in plan_packages(graphs, weights, self.precision, DEFAULT_PLATFORM):
-                entries |= self._build_package(pkg, weights, Path(out_dir), bar, task)
+                key = unit_key(pkg.graphs, weights, description)
+                unit = cache.unit(key, Path(out_dir), lambda d, pkg=pkg: self._build_package(pkg, weights, d, bar, task))
+                if next(iter(unit.values()))["cached"]:
+                    bar.advance(task, len(pkg.graphs))
+                self.packages[pkg.name] = next(iter(unit.values()))["package_record"]
+                entries |= unit
         return entries
 
     def _build_package(self, pkg: PackagePlan, weights, out_dir: Path, bar, task) -> dict[str, dict]:
@@ -86,14 +91,15 @@ class AneBackend(BackendBase):
         else:
             rel, fmt = Path(PACKAGE_DIR) / f"{pkg.name}.mlpackage", "mlprogram"
             self._save_mlpackage(modules, out_dir / rel, precision, bar, task)
-        self.packages[pkg.name] = {
+        record = {
             "path": str(rel),
             "functions": list(modules),
             "states": pkg.kv.to_json() if pkg.kv else None,
             "precision": precision,
             "bytes": sum(p.stat().st_size for p in [out_dir / rel, *(out_dir / rel).rglob("*")] if p.is_file()),
         }
-        return {g.name: self._entry(g, modules[function_name(g)], pkg, str(rel), fmt, precision) for g in pkg.graphs}
+        return {g.name: {**self._entry(g, modules[function_name(g)], pkg, str(rel), fmt, precision),
+                         "package_record": record} for g in pkg.graphs}
 
     def _save_mlpackage(self, modules: dict, path: Path, precision: str, bar, task) -> None:
         from npumoe.backends.apple_ane import lint

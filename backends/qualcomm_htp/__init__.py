@@ -38,10 +38,14 @@ class HtpBackend(BackendBase):
     caps = HTP_CAPS
 
     def __init__(self, via: str = "onnx", precision: str = "fp16", soc: str | int = DEFAULT_SOC,
-                 profile_dir: str | Path | None = None, calibration_text: str | None = None, **other):
+                 profile_dir: str | Path | None = None, calibration_text: str | None = None, keep_onnx: bool = False,
+                 **other):
+        """``keep_onnx`` also saves each graph's ONNX model (fp32 weights: larger than its fp16 context binary,
+        and needed only to compile again elsewhere, e.g. ``npumoe hub compile``)."""
         if other:
-            raise InputError(f"--{next(iter(other))} does not apply to the HTP; its options are --via, --precision "
-                             "and --soc.")
+            raise InputError(f"--{next(iter(other)).replace('_', '-')} does not apply to the HTP; its options are "
+                             "--via, --precision, --soc and --keep-onnx.")
+        self.keep_onnx = bool(keep_onnx)
         if via not in VIAS:
             raise InputError(f"--via {via!r} is not one of {', '.join(VIAS)} for the HTP.")
         check_precision(precision)
@@ -75,6 +79,20 @@ class HtpBackend(BackendBase):
                             "decode_steps": DECODE_STEPS,
                             "samples_per_graph": {n: len(s) for n, s in sorted(self.samples.items())}}
 
+    def cache_salt(self, graph):
+        """A QDQ graph's scales come from its calibration feeds: their bytes are part of what it is."""
+        if self.fp16:
+            return None
+        import hashlib
+
+        import numpy as np
+
+        h = hashlib.blake2b(digest_size=16)
+        for feed in self.samples.get(graph.name, []):
+            for name, value in sorted(feed.items()):
+                h.update(name.encode() + np.ascontiguousarray(value).tobytes())
+        return h.hexdigest()
+
     def lower(self, graph, weights, out_dir: Path) -> dict:
         if not self.fp16 and graph.name not in self.samples:
             raise InputError(f"--precision {self.precision} needs calibration feeds for {graph.name}; build through "
@@ -106,9 +124,11 @@ class HtpBackend(BackendBase):
 
             model = quantize(model, self.samples[graph.name], self.precision)
         data = model.SerializeToString()
-        rel = Path(GRAPH_DIR) / f"{graph.name}.onnx"
+        rel = Path(GRAPH_DIR) / f"{graph.name}.onnx" if self.keep_onnx else None
         ctx = Path(GRAPH_DIR) / f"{graph.name}_ctx.onnx"
-        atomic_write_bytes(out_dir / rel, data)
+        (out_dir / GRAPH_DIR).mkdir(parents=True, exist_ok=True)
+        if rel is not None:
+            atomic_write_bytes(out_dir / rel, data)
         try:
             session(data, self.soc, self.fp16, context_path=out_dir / ctx)
         except Exception as err:  # noqa: BLE001 - onnxruntime raises its own Fail/RuntimeException types
@@ -116,9 +136,9 @@ class HtpBackend(BackendBase):
         binaries = sorted(p.name for p in (out_dir / GRAPH_DIR).glob(f"{graph.name}_ctx*") if p.suffix != ".onnx")
         return {
             "format": FORMAT,
-            "onnx": str(rel),
+            "onnx": None if rel is None else str(rel),
             "context_model": str(ctx),
-            "files": [str(rel), str(ctx), *(str(Path(GRAPH_DIR) / b) for b in binaries)],
+            "files": [*([str(rel)] if rel else []), str(ctx), *(str(Path(GRAPH_DIR) / b) for b in binaries)],
             "context_binary_bytes": sum((out_dir / GRAPH_DIR / b).stat().st_size for b in binaries),
             "soc": self.soc,
             "precision": self.precision,

@@ -51,6 +51,9 @@ def compile_requests(manifest: dict, out_dir: Path) -> list[tuple[str, Path]]:
     if manifest["target"] != "htp":
         raise ArtifactError(f"{out_dir} was built for {manifest['target']!r}; AI Hub jobs take an HTP build "
                             "(npumoe build --target htp).")
+    if any(not entry.get("onnx") for entry in manifest["graphs"].values()):
+        raise ArtifactError(f"{out_dir} keeps only the compiled context binaries; AI Hub compiles from each graph's "
+                            "ONNX model: rebuild with npumoe build --target htp --keep-onnx.")
     return [(name, out_dir / entry["onnx"]) for name, entry in sorted(manifest["graphs"].items())]
 
 

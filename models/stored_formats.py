@@ -1,0 +1,134 @@
+"""Checkpoints whose weights are stored in a compressed float format, read as stored and widened per tensor.
+
+* **Block FP8** (DeepSeek-V3 as published: ``quant_method: fp8``): each quantised ``X.weight`` is
+  float8 E4M3 with ``X.weight_scale_inv`` (fp32, one per 128×128 block); the weight is
+  ``fp8 · scale`` of its block.
+* **MXFP4** (gpt-oss as published: ``quant_method: mxfp4``, the OCP Microscaling format): the
+  stacked expert tensors ``X_blocks`` [E, out, K/32, 16] hold two FP4 E2M1 codes a byte (low
+  nibble first) and ``X_scales`` [E, out, K/32] one E8M0 exponent (bias 127) per 32 inputs; the
+  weight is ``fp4 · 2^(e − 127)``, exact in bf16, laid out [E, in, out] as gpt-oss stores its
+  unquantised experts.
+
+Nothing is widened at load: a :class:`StoredView` reads one tensor, or one expert of a stacked
+one, when a graph asks for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from npumoe.core.tensorfile import Checkpoint
+from npumoe.errors import UnsupportedModelError, WeightError
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# FP4 E2M1: sign, 2 exponent bits, 1 mantissa bit
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MX_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class StoredView:
+    """One tensor as an adapter sees it: its name, shape and dtype as stored (after widening), how to
+    read it, and for a stacked expert tensor how to read one expert (as a stack of one)."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    read: Callable[[], torch.Tensor]
+    read_expert: Callable[[int], torch.Tensor] | None = None
+
+
+def plain_views(ckpt: Checkpoint) -> list[StoredView]:
+    return [StoredView(key, e.shape, e.dtype, lambda key=key: ckpt.tensor(key),
+                       lambda i, key=key: ckpt.tensor(key)[i:i + 1]) for key, e in ckpt.entries.items()]
+
+
+def stored_format(cfg: dict) -> str | None:
+    """"fp8", "mxfp4", or None for plain weights; other quantisations are refused by name."""
+    quant = cfg.get("quantization_config")
+    if not quant:
+        return None
+    method = quant.get("quant_method") if isinstance(quant, dict) else quant
+    if method in ("fp8", "mxfp4"):
+        return method
+    raise UnsupportedModelError(
+        f"this checkpoint is quantized ({method or 'an unknown method'}); npumoe reads bf16/fp16/fp32 weights, "
+        "block-FP8 (DeepSeek-V3), MXFP4 (gpt-oss) and GPTQ exports, so use a dequantized copy of the model."
+    )
+
+
+def views(ckpt: Checkpoint, cfg: dict) -> list[StoredView]:
+    fmt = stored_format(cfg)
+    if fmt == "fp8":
+        return fp8_views(ckpt, tuple(cfg["quantization_config"].get("weight_block_size") or (128, 128)))
+    if fmt == "mxfp4":
+        return mxfp4_views(ckpt)
+    return plain_views(ckpt)
+
+
+# -- block FP8 -----------------------------------------------------------------------------------------
+def fp8_views(ckpt: Checkpoint, block: tuple[int, int]) -> list[StoredView]:
+    out = []
+    for view in plain_views(ckpt):
+        if view.key.endswith("_scale_inv"):
+            continue
+        if view.dtype not in FP8_DTYPES:
+            out.append(view)
+            continue
+        scale_key = f"{view.key}_scale_inv"
+        if scale_key not in ckpt.entries:
+            raise WeightError(f"FP8 weight {view.key} has no {scale_key}, so its values cannot be known; the "
+                              "checkpoint is incomplete.")
+        rows, cols = view.shape[-2:]
+        want = (-(-rows // block[0]), -(-cols // block[1]))
+        if ckpt.entries[scale_key].shape[-2:] != want:
+            raise WeightError(f"{scale_key} has shape {list(ckpt.entries[scale_key].shape)}, but a {rows}×{cols} FP8 "
+                              f"weight in {block[0]}×{block[1]} blocks needs {list(want)}; the checkpoint is damaged.")
+        out.append(StoredView(view.key, view.shape, torch.float32,
+                              lambda key=view.key: fp8_dequantize(ckpt.tensor(key), ckpt.tensor(f"{key}_scale_inv"),
+                                                                  block)))
+    return out
+
+
+def fp8_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """fp32 weight: each ``block`` of the FP8 weight times its scale."""
+    rows, cols = weight.shape[-2:]
+    scale = scale_inv.float().repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
+    return weight.float() * scale[..., :rows, :cols]
+
+
+# -- MXFP4 ---------------------------------------------------------------------------------------------
+def mxfp4_views(ckpt: Checkpoint) -> list[StoredView]:
+    out = []
+    for view in plain_views(ckpt):
+        if view.key.endswith("_scales"):
+            continue
+        if not view.key.endswith("_blocks"):
+            out.append(view)
+            continue
+        base = view.key[: -len("_blocks")]
+        scales = ckpt.entries.get(f"{base}_scales")
+        if scales is None or scales.shape != view.shape[:-1] or view.dtype != torch.uint8 or len(view.shape) != 4:
+            got = "none" if scales is None else list(scales.shape)
+            raise WeightError(f"MXFP4 tensor {view.key} {list(view.shape)} needs {base}_scales of shape "
+                              f"{list(view.shape[:-1])} (one exponent per 32 codes), found {got}; the checkpoint is "
+                              "damaged.")
+        experts, rows, groups, half = view.shape
+        out.append(StoredView(
+            base, (experts, groups * half * 2, rows), torch.bfloat16,
+            lambda base=base: mxfp4_dequantize(ckpt.tensor(f"{base}_blocks"), ckpt.tensor(f"{base}_scales")),
+            lambda i, base=base: mxfp4_dequantize(ckpt.tensor(f"{base}_blocks")[i:i + 1],
+                                                  ckpt.tensor(f"{base}_scales")[i:i + 1])))
+    return out
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[E, in, out] bf16 from blocks [E, out, G, 16] and E8M0 scales [E, out, G] (exact: FP4 values have
+    two significant bits, and bf16 has fp32's exponent range)."""
+    table = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).long()  # low nibble first
+    values = torch.ldexp(table[codes].flatten(-2), (scales.long() - 127)[..., None].float())
+    return values.flatten(-2).transpose(1, 2).to(torch.bfloat16)

@@ -1,0 +1,113 @@
+"""Builds go through a content-addressed per-graph cache: a killed build resumes, an unchanged graph is
+never compiled twice, and a change to a graph's weights or the backend's options compiles it again."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import npumoe
+from npumoe.backends.cpu import CpuBackend
+from npumoe.core.artifacts import build, load_executors
+from npumoe.core.program import build_program
+from npumoe.core.weights import Weights
+
+
+@pytest.fixture(scope="module")
+def model():
+    return npumoe.load()
+
+
+@pytest.fixture(scope="module")
+def cpu_plan(model):
+    text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 8
+    return npumoe.plan(model, npumoe.calibrate(model, [text], chunk=16), target="cpu", residency="npu")
+
+
+@pytest.fixture
+def lowered(monkeypatch, tmp_path):
+    """The names of the graphs the CPU backend really lowers, with a fresh cache."""
+    monkeypatch.setenv("NPUMOE_BUILD_CACHE", str(tmp_path / "cache"))
+    names = []
+    lower = CpuBackend.lower
+
+    def counting(self, graph, weights, out_dir):
+        names.append(graph.name)
+        return lower(self, graph, weights, out_dir)
+
+    monkeypatch.setattr(CpuBackend, "lower", counting)
+    return names
+
+
+def test_a_killed_build_resumes_with_its_finished_graphs(model, cpu_plan, lowered, tmp_path, monkeypatch):
+    first = build(model, cpu_plan, "cpu", tmp_path / "full", progress=False)
+    graphs = len(first["graphs"])
+    assert graphs > 4 and len(lowered) == graphs and not any(g["cached"] for g in first["graphs"].values())
+    lowered.clear()
+    monkeypatch.setenv("NPUMOE_BUILD_CACHE", str(tmp_path / "cache2"))
+    lower = CpuBackend.lower
+
+    def killed_after_three(self, graph, weights, out_dir):
+        if len(lowered) == 3:
+            raise KeyboardInterrupt  # Ctrl-C, or the OOM killer, mid-build
+        return lower(self, graph, weights, out_dir)
+
+    monkeypatch.setattr(CpuBackend, "lower", killed_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        build(model, cpu_plan, "cpu", tmp_path / "killed", progress=False)
+    assert not (tmp_path / "killed").exists()
+    monkeypatch.setattr(CpuBackend, "lower", lower)
+    lowered.clear()
+    resumed = build(model, cpu_plan, "cpu", tmp_path / "killed", progress=False)
+    assert sum(g["cached"] for g in resumed["graphs"].values()) == 3
+    assert len(lowered) == graphs - 3
+    assert {n: {k: v for k, v in g.items() if k not in ("cached", "seconds")} for n, g in resumed["graphs"].items()} \
+        == {n: {k: v for k, v in g.items() if k not in ("cached", "seconds")} for n, g in first["graphs"].items()}
+
+
+def test_only_graphs_whose_weights_changed_are_compiled_again(model, cpu_plan, lowered, tmp_path):
+    build(model, cpu_plan, "cpu", tmp_path / "a", progress=False)
+    lowered.clear()
+    build(model, cpu_plan, "cpu", tmp_path / "b", progress=False)
+    assert lowered == []  # all from the cache
+    tensors = {n: model.weights[n] for n in model.weights}
+    name = "layers.1.moe.experts.0.up.weight"
+    tensors[name] = tensors[name] + 1e-3  # a fine-tune of one expert
+    tuned = dataclasses.replace(model, weights=Weights(tensors, model.spec))
+    manifest = build(tuned, cpu_plan, "cpu", tmp_path / "c", progress=False)
+    holding = [g for g, entry in manifest["graphs"].items() if not entry["cached"]]
+    assert sorted(lowered) == sorted(holding) and lowered, lowered
+    assert all(g.startswith("L1.experts") for g in lowered) and len(lowered) < len(manifest["graphs"]) / 4
+
+
+def test_every_graph_records_its_compile_time(model, cpu_plan, lowered, tmp_path):
+    manifest = build(model, cpu_plan, "cpu", tmp_path / "a", progress=False)
+    assert all(g["seconds"] >= 0 and g["cached"] is False for g in manifest["graphs"].values())
+
+
+def test_weights_digest_reads_stored_bytes(model):
+    """A bf16-computed model and its fp32 twin hash the same stored bytes; one flipped bit does not."""
+    names = list(model.weights)[:5]
+    tensors = {n: model.weights[n].clone() for n in model.weights}
+    assert Weights(tensors, model.spec).digest(names) == model.weights.digest(names)
+    tensors[names[2]].view(torch.int32)[0, 0] ^= 1
+    assert Weights(tensors, model.spec).digest(names) != model.weights.digest(names)
+
+
+def test_layers_builds_a_subset_that_says_it_cannot_run(model, cpu_plan, lowered, tmp_path, capsys):
+    from cli_check import cli_error
+
+    from npumoe.errors import ArtifactError, InputError
+
+    manifest = build(model, cpu_plan, "cpu", tmp_path / "one", progress=False, layers={1})
+    assert manifest["layers"] == [1] and manifest["graphs"] and all(g["layer"] == 1 for g in manifest["graphs"].values())
+    program = build_program(model.spec, chunk=cpu_plan.chunk, max_context=512, plan=cpu_plan)
+    npu = [g for g in program.graphs.values() if g.placement == "npu"]
+    with pytest.raises(ArtifactError, match=r"holds only layers \[1\] \(built with --layers\)"):
+        load_executors(CpuBackend(), tmp_path / "one", npu, model.weights, model)
+    with pytest.raises(InputError, match="--layers names layer 9"):
+        build(model, cpu_plan, "cpu", tmp_path / "x", progress=False, layers={0, 9})
+    plan_path = tmp_path / "plan.json"
+    cpu_plan.save(plan_path)
+    assert "ranges like 0-3,7" in cli_error(capsys, "build", "--plan", str(plan_path), "--target", "htp",
+                                            "--out", str(tmp_path / "x"), "--layers", "a-b")

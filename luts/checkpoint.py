@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -117,7 +118,7 @@ class QuantizedWeights(Weights):
         for name in self:
             if name not in self.packed:
                 src = self.source(name)
-                counts[src.dtype] = counts.get(src.dtype, 0) + src.read().numel()
+                counts[src.dtype] = counts.get(src.dtype, 0) + math.prod(src.shape)
         return counts
 
     def __getitem__(self, name: str) -> torch.Tensor:

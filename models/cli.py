@@ -7,6 +7,7 @@ import torch
 from npumoe.core.spec import ModelSpec, MoESpec
 from npumoe.core.weights import attention_shapes, expected_shapes, mlp_shapes
 from npumoe.models.loader import DEMO_DIR, is_gptq, load
+from npumoe.models.stored_formats import stored_format
 from rich.console import Console
 from rich.table import Table
 
@@ -68,6 +69,7 @@ def _human(n: float, unit: str = "") -> str:
     return f"{n:.3g} P{unit}"
 
 
+FORMAT_NAMES = {"fp8": "block FP8", "mxfp4": "MXFP4"}
 DTYPE_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
@@ -94,7 +96,9 @@ def inspect_command(model_dir: str):
         f"on disk {_human(disk, 'B')}"
     )
     stored = ", ".join(f"{DTYPE_SHORT.get(d, str(d))} {_human(n)}" for d, n in model.weights.stored_dtypes.items())
-    console.print(f"stored as {stored} parameters; compute dtype {DTYPE_SHORT[model.weights.dtype]} "
+    fmt = stored_format(model.config) if not is_gptq(model.config) else None
+    widened = f" (as widened from {FORMAT_NAMES[fmt]}, tensor by tensor when used)" if fmt else ""
+    console.print(f"stored as {stored} parameters{widened}; compute dtype {DTYPE_SHORT[model.weights.dtype]} "
                   "(matrices; norms and router in fp32)")
     packed = getattr(model.weights, "packed", {})
     if packed:

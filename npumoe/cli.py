@@ -49,7 +49,7 @@ BENCHMARKS = {
     "runtime": "npumoe.core.bench:bench_runtime_command",
     "lut": "npumoe.luts.bench:bench_lut_command",
     "hvx": "npumoe.luts.hvx.bench:bench_hvx_command",
-    "scale": "npumoe.core.bench_scale:bench_scale_command",
+    "scale": "npumoe.bench_scale:bench_scale_command",
 }
 
 

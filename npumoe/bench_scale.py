@@ -294,6 +294,11 @@ def bench_scale_command(model_name, layers, ckpt, steps, as_json):
     for r in results:
         if r["summary"]:
             console.print(f"{r['step']}: {r['summary']}")
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    for r in results:
+        if r["step"].startswith("build"):
+            console.print(f"{r['step']}: the whole {layers}-layer model ≈ {layers * r['seconds'] / 60:.0f} min and "
+                          f"{layers * r['written_bytes'] / 1e9:.1f} GB written (extrapolated from one layer, not measured)")
     if "decode_bound" in result:
         b = result["decode_bound"]
         console.print(f"decode reads {b['weight_bytes_per_token'] / 1e9:.2f} GB of bf16 weights per token; at this "

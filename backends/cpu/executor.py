@@ -53,13 +53,20 @@ def _sdpa(q, k, v, mask, sinks=None, *, scale):
     return torch.matmul(probs, v)
 
 
+WIDEN_BLOCK = 1 << 22  # weights widened to fp32 at a time: 16 MB
+
+
 def _linear(x, w, b=None):
     """A bf16/fp16 matrix (a large model's compute dtype) is widened exactly to fp32 for the
     product: activations, products and sums stay fp32, so only the weights' rounding differs
     from fp32 and the result does not depend on how many rows a call carries."""
+    if w.dtype == x.dtype:
+        return F.linear(x, w, b)
     if w.dtype == torch.bfloat16 and (y := bf16_linear(x, w)) is not None:  # decode: w read at 2 bytes a weight
         return y if b is None else y + b
-    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), b)
+    rows = max(1, WIDEN_BLOCK // w.shape[1])  # widened a block of rows at a time: a 50k-row LM head is not
+    y = torch.cat([F.linear(x, w[r:r + rows].to(x.dtype)) for r in range(0, w.shape[0], rows)], dim=-1)  # copied whole
+    return y if b is None else y + b
 
 
 def _lut_linear(x, w, b=None):

@@ -254,7 +254,8 @@ def build_one_layer(ckpt: Path, work: Path, console: Console) -> list[dict]:
 @click.option("--model", "model_name", type=click.Choice(sorted(MODELS)), default="olmoe-1b-7b", show_default=True,
               help="Whose exact config the random-weight checkpoint takes.")
 @click.option("--layers", type=click.IntRange(1), default=None,
-              help="Keep only the first N layers (e.g. 8 of Qwen3-30B-A3B's 48, which do not fit this disk in fp32).")
+              help="Only the first N layers (e.g. 8 of Qwen3-30B-A3B's 48, which do not fit this machine): written so, "
+                   "or cut from --ckpt.")
 @click.option("--ckpt", type=click.Path(file_okay=False), default=None,
               help=f"Use this checkpoint instead of the one written once under {CACHE}.")
 @click.option("--steps", default=",".join(STEPS), show_default=True, help="Which commands to run, comma-separated.")
@@ -273,9 +274,12 @@ def bench_scale_command(model_name, layers, ckpt, steps, as_json):
         raise click.BadParameter(f"unknown step {unknown[0]!r}; choose from {', '.join(STEPS)}.", param_hint="--steps")
     console = Console(stderr=as_json)
     cfg = MODELS[model_name]
-    path = Path(ckpt) if ckpt else write_random_checkpoint(cfg, CACHE / model_name)
-    if layers:
-        path = cut(path, layers, CACHE / f"{model_name}-{layers}-layers")
+    if ckpt:  # --layers cuts a given checkpoint (its shards linked, not copied)
+        path = cut(Path(ckpt), layers, CACHE / f"{Path(ckpt).name}-cut-{layers}") if layers else Path(ckpt)
+    elif layers:  # ... and writes only that many layers of the named model
+        path = write_random_checkpoint({**cfg, "num_hidden_layers": layers}, CACHE / f"{model_name}-{layers}-layers")
+    else:
+        path = write_random_checkpoint(cfg, CACHE / model_name)
     with tempfile.TemporaryDirectory(prefix="npumoe-bench-scale-", dir=CACHE) as work:
         results = run_steps(path, Path(work), chosen, console)
     result = {"checkpoint": str(path), "machine": {"cpus": os.cpu_count(), "ram_bytes": _ram()}, "steps": results}

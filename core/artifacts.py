@@ -4,24 +4,27 @@ An artifact directory holds whatever the backend wrote for each NPU-placed graph
 ``manifest.json``: target, backend details, the model fingerprint, the plan, every graph's
 inputs and outputs, and the sha256 of every file. Building happens in a temporary
 sibling directory that replaces the destination only when complete, so a failed or
-interrupted build never leaves a half-written artifact behind.
+interrupted build never leaves a half-written artifact behind; the destination must be new or
+an earlier artifact directory (:mod:`npumoe.core.outputs`). Every path a manifest names must lie
+inside its directory: a manifest is input, and one edited to say ``../../etc/passwd`` is refused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 from npumoe.core.io import atomic_write_text, read_json_artifact
+from npumoe.core.outputs import OutputKind, claim, json_kind, staged_directory
 from npumoe.core.ir import Graph
 from npumoe.core.program import build_program
 from npumoe.errors import ArtifactError, InputError
 
 MANIFEST = "manifest.json"
 KIND = "npumoe.Artifacts"
+ARTIFACTS = OutputKind("an npumoe artifact directory", directory=True,
+                       recognise=lambda path: json_kind(KIND)(path / MANIFEST))
 
 
 def sha256_file(path: Path) -> str:
@@ -49,6 +52,7 @@ def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512,
     records it and does not run)."""
     from npumoe.backends.base import get_backend
 
+    out_dir = claim(out_dir, ARTIFACTS)
     if plan.target != target:
         raise InputError(f"the plan was made for target {plan.target!r}, not {target!r}; re-plan with --target {target}.")
     plan.check_model(model)
@@ -66,10 +70,7 @@ def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512,
             raise InputError(f"the plan places no graph of layers {sorted(layers)} on the NPU; nothing to build.")
     backend = get_backend(target, **backend_options)
     backend.calibrate(model, plan, max_context, [g.name for g in npu_graphs])
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.building-"))
-    try:
+    with staged_directory(out_dir) as staging:
         entries = backend.build(npu_graphs, model.weights, staging, progress=progress)
         manifest = {
             "kind": KIND,
@@ -88,10 +89,6 @@ def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512,
             },
         }
         atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-        _replace_dir(staging, out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return manifest
 
 
@@ -101,21 +98,11 @@ def _bytes(root: Path, entry: dict) -> int:
     return sum(p.stat().st_size for top in paths for p in [top, *top.rglob("*")] if p.is_file())
 
 
-def _replace_dir(new: Path, dest: Path) -> None:
-    if dest.exists():
-        old = dest.with_name(f".{dest.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        dest.rename(old)
-        new.rename(dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        new.rename(dest)
-
-
 def read_manifest(out_dir: str | Path, verify: bool = True) -> dict:
     """The manifest, after checking every file against its recorded sha256."""
     out_dir = Path(out_dir)
     manifest = read_json_artifact(out_dir / MANIFEST, KIND, "an artifact directory (npumoe build --out)")
+    _check_paths_inside(out_dir, [*manifest.get("files", {}), *_strings(manifest.get("graphs", {}))])
     if verify:
         for rel, digest in manifest["files"].items():
             path = out_dir / rel
@@ -127,6 +114,25 @@ def read_manifest(out_dir: str | Path, verify: bool = True) -> dict:
                     "Rebuild with npumoe build (or restore the file)."
                 )
     return manifest
+
+
+def _strings(value) -> list[str]:
+    """Every string inside a graph entry: backends name their files in fields of their own choosing, so
+    all of them are checked as paths (a function or precision name always resolves inside)."""
+    if isinstance(value, str):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else []
+    return [s for item in items for s in _strings(item)]
+
+
+def _check_paths_inside(out_dir: Path, names: list[str]) -> None:
+    """Refuse a manifest that names a path outside its directory (``..``, absolute, or through a symlink)
+    before anything is opened."""
+    root = out_dir.resolve()
+    for name in names:
+        if not (root / name).resolve().is_relative_to(root):
+            raise ArtifactError(f"{out_dir / MANIFEST} names {name!r}, which lies outside {out_dir}; the manifest "
+                                "was altered, rebuild with npumoe build.")
 
 
 def load_executors(backend, out_dir: str | Path, graphs: list[Graph], weights, model) -> dict:

@@ -15,10 +15,13 @@ import numpy as np
 import torch
 
 from npumoe.core.io import atomic_write_text, read_json_artifact
+from npumoe.core.outputs import OutputKind, claim, json_kind
 from npumoe.core.spec import ModelSpec
 from npumoe.errors import ArtifactError, InputError
 
 QUANTILES = (0.5, 0.9, 0.99, 1.0)
+KIND = "npumoe.RoutingProfile"
+PROFILE = OutputKind("a routing profile (npumoe calibrate)", directory=False, recognise=json_kind(KIND))
 
 
 class LoadRecorder:
@@ -100,7 +103,7 @@ class RoutingProfile:
     # -- files --------------------------------------------------------------------------------
     def to_json(self) -> dict:
         return {
-            "kind": "npumoe.RoutingProfile",
+            "kind": KIND,
             "model": self.model,
             "model_name": self.model_name,
             "chunk": self.chunk,
@@ -112,11 +115,11 @@ class RoutingProfile:
         }
 
     def save(self, path: str | Path) -> Path:
-        return atomic_write_text(path, json.dumps(self.to_json(), indent=1))
+        return atomic_write_text(claim(path, PROFILE), json.dumps(self.to_json(), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> RoutingProfile:
-        data = read_json_artifact(path, "npumoe.RoutingProfile", "a routing profile (npumoe calibrate --out)")
+        data = read_json_artifact(path, KIND, "a routing profile (npumoe calibrate --out)")
         layers = {int(i): v for i, v in data["layers"].items()}
         return cls(
             model=data["model"],

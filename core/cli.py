@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from npumoe.core.calibrate import LoadRecorder
+from npumoe.core.outputs import claim
 from npumoe.core.runtime.engine import DEFAULT_CHUNK, Engine
 from npumoe.core.weights import DTYPE_POLICIES
 from npumoe.errors import InputError
@@ -74,6 +75,10 @@ def generate_command(model_dir, dtype, prompt, ids, max_new_tokens, chunk, max_c
     """
     from npumoe.core.plan import Plan
 
+    if trace_path:
+        from npumoe.backends.qualcomm_htp.trace import TRACE
+
+        claim(trace_path, TRACE, "--trace")
     model = load(model_dir, dtype=dtype)
     tokens = prompt_ids(model, prompt, ids)
     plan = Plan.load(plan_path) if plan_path else None

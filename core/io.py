@@ -7,14 +7,16 @@ import os
 import tempfile
 from pathlib import Path
 
+from npumoe.core.outputs import staging_prefix
 from npumoe.errors import ArtifactError, InputError
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write to a temporary file beside ``path``, then rename over it."""
+    """Write to a temporary file beside ``path``, then rename over it (a killed run's temporary is removed
+    by the next :func:`~npumoe.core.outputs.claim` of the same path)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=staging_prefix(path), suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -31,13 +33,23 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 
 def read_json_artifact(path: str | Path, kind: str, made_by: str) -> dict:
     """Read a JSON file npumoe wrote, checking its ``kind`` so a plan is never read as a profile."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"{path} does not exist; expected {made_by}.")
+    path = existing_file(path, made_by)
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ArtifactError(f"{path} is not valid JSON ({err}); expected {made_by}.") from err
+    except OSError as err:
+        raise InputError(f"{path} cannot be read ({err.strerror}); expected {made_by}.") from err
     if not isinstance(data, dict) or data.get("kind") != kind:
         raise ArtifactError(f"{path} is not {made_by} (its kind is {data.get('kind') if isinstance(data, dict) else None!r}).")
     return data
+
+
+def existing_file(path: str | Path, expected: str) -> Path:
+    """``path`` if it is a file; otherwise say whether it is missing or a directory (both are common slips)."""
+    path = Path(path)
+    if path.is_dir():
+        raise InputError(f"{path} is a directory, not a file; expected {expected}.")
+    if not path.is_file():
+        raise InputError(f"{path} does not exist; expected {expected}.")
+    return path

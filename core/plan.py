@@ -33,6 +33,7 @@ import numpy as np
 from npumoe.backends.base import Capabilities, capabilities
 from npumoe.core.calibrate import RoutingProfile, imbalance
 from npumoe.core.io import atomic_write_text, read_json_artifact
+from npumoe.core.outputs import OutputKind, claim, json_kind
 from npumoe.core.program import ExpertGroup
 from npumoe.core.spec import ModelSpec
 from npumoe.core.weights import mlp_shapes
@@ -43,6 +44,8 @@ OVERFLOW_POLICIES = ("spill", "drop", "reroute")
 RESIDENCY = ("auto", "npu", "cpu")
 MAX_TIERS = 3
 MAX_GROUP_EXPERTS = 16
+KIND = "npumoe.Plan"
+PLAN = OutputKind("a plan (npumoe plan)", directory=False, recognise=json_kind(KIND))
 
 
 @dataclass
@@ -106,14 +109,14 @@ class Plan:
     def to_json(self) -> dict:
         data = asdict(self)
         data["layers"] = {str(i): v for i, v in data["layers"].items()}
-        return {"kind": "npumoe.Plan", **data}
+        return {"kind": KIND, **data}
 
     def save(self, path: str | Path) -> Path:
-        return atomic_write_text(path, json.dumps(self.to_json(), indent=1))
+        return atomic_write_text(claim(path, PLAN), json.dumps(self.to_json(), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        return cls.from_json(read_json_artifact(path, "npumoe.Plan", "a plan (npumoe plan --out)"))
+        return cls.from_json(read_json_artifact(path, KIND, "a plan (npumoe plan --out)"))
 
     @classmethod
     def from_json(cls, data: dict) -> Plan:

@@ -8,9 +8,10 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from npumoe.core.calibrate import RoutingProfile, calibrate, overlap_at_k
+from npumoe.core.calibrate import PROFILE, RoutingProfile, calibrate, overlap_at_k
 from npumoe.core.cli import dtype_option, model_option
-from npumoe.core.plan import MAX_TIERS, METHODS, OVERFLOW_POLICIES, RESIDENCY, plan
+from npumoe.core.outputs import claim
+from npumoe.core.plan import MAX_TIERS, METHODS, OVERFLOW_POLICIES, PLAN, RESIDENCY, plan
 from npumoe.errors import InputError
 from npumoe.models.loader import load
 
@@ -55,6 +56,7 @@ def calibrate_command(model_dir, dtype, text_files, chunk, out, plot, compare):
     console = Console()
     if compare:
         return print_overlap(console, RoutingProfile.load(compare[0]), RoutingProfile.load(compare[1]))
+    claim_outputs(out, PROFILE, plot)
     model = load(model_dir, dtype=dtype)
     texts = read_texts(text_files) if text_files else default_calibration_texts()
     profile = calibrate(model, list(texts.values()), chunk=chunk, progress=True, sources=list(texts)[:50])
@@ -71,6 +73,15 @@ def calibrate_command(model_dir, dtype, text_files, chunk, out, plot, compare):
         from npumoe.core.plots import profile_heatmap
 
         console.print(f"wrote {profile_heatmap(profile, plot)}")
+
+
+def claim_outputs(out: str, kind, plot: str | None) -> None:
+    """Refuse an --out or --plot path that may not be written before the minutes of work that fill it."""
+    from npumoe.core.plots import FIGURE
+
+    claim(out, kind)
+    if plot:
+        claim(plot, FIGURE, "--plot")
 
 
 def print_overlap(console: Console, a: RoutingProfile, b: RoutingProfile) -> None:
@@ -108,6 +119,7 @@ def plan_command(model_dir, profile_path, target, overflow, residency, method, m
     Example: npumoe plan --profile profile.json --target ane --residency npu --out plan.json
     """
     console = Console()
+    claim_outputs(out, PLAN, plot)
     model = load(model_dir)
     p = plan(model, RoutingProfile.load(profile_path), target=target, overflow=overflow, residency=residency,
              method=method, max_overflow=max_overflow, max_tiers=max_tiers)

@@ -7,7 +7,22 @@ from pathlib import Path
 import numpy as np
 
 from npumoe.core.io import atomic_write_bytes
+from npumoe.core.outputs import OutputKind, claim
 from npumoe.errors import BackendUnavailableError
+
+MARKER = {"Software": "npumoe"}  # a PNG text chunk: how a later --plot knows the file is ours to replace
+
+
+def _is_our_png(path: Path) -> bool:
+    """Whether ``path`` is a PNG npumoe drew (its Software text chunk comes before the image data)."""
+    try:
+        with open(path, "rb") as f:
+            return b"tEXtSoftware\0npumoe" in f.read(4096)
+    except OSError:
+        return False
+
+
+FIGURE = OutputKind("an npumoe figure (PNG)", directory=False, recognise=_is_our_png)
 
 
 def _pyplot():
@@ -25,9 +40,9 @@ def _save(fig, path) -> Path:
     import io
 
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=120, bbox_inches="tight", metadata=MARKER)
     _pyplot().close(fig)
-    return atomic_write_bytes(path, buf.getvalue())
+    return atomic_write_bytes(claim(path, FIGURE, "--plot"), buf.getvalue())
 
 
 def profile_heatmap(profile, path) -> Path:

@@ -2,13 +2,15 @@
 
 Routed-expert matrices, most of an MoE's bytes and the ones cold experts stream from
 memory, are quantised round-to-nearest per group; everything else is copied unchanged.
-Each file is written under a temporary name and renamed, config.json last: an interrupted
-run leaves no half-written file, and a fresh directory does not load until it is complete.
+The checkpoint is written into a staging directory beside ``--out`` that replaces it only when
+complete, so an interrupted run leaves nothing half-written; ``--out`` must be new, empty or an
+earlier npumoe-quantised checkpoint (:mod:`npumoe.core.outputs`).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import torch
 from rich.progress import MofNCompleteColumn, Progress
 
 from npumoe.core.cli import model_option
-from npumoe.core.io import atomic_write_bytes, atomic_write_text
+from npumoe.core.outputs import OutputKind, claim, json_object, staged_directory
 from npumoe.core.tensorfile import SafetensorsWriter
 from npumoe.core.weights import Weights
 from npumoe.errors import InputError
@@ -27,6 +29,9 @@ from npumoe.models.loader import (
 )
 from npumoe.models.stored_formats import stored_format, views
 from npumoe.models.registry import adapter_for
+
+QUANTIZED_CHECKPOINT = OutputKind("an npumoe-quantised checkpoint", directory=True,
+                                  recognise=lambda path: checkpoint.SECTION in json_object(path / "config.json"))
 
 
 def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int, symmetric: bool = False,
@@ -43,7 +48,9 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int,
     adapter = adapter_for(cfg.get("model_type"))
     model_spec = adapter.spec(cfg)
     spec.check_format(bits, group, symmetric=symmetric)
-    _check_destination(src, out)
+    if out.resolve() == src.resolve():
+        raise InputError(f"--out {out} is the source directory; write the quantised checkpoint somewhere else.")
+    claim(out, QUANTIZED_CHECKPOINT)
     sources = canonical_sources(views(open_checkpoint(src), cfg), adapter)
     weights = Weights(sources, model_spec, source=str(src))  # refuse an incomplete or misshaped source, unread
     names = set(checkpoint.quantized_names(model_spec))
@@ -55,12 +62,13 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int,
             raise InputError(f"{name} has K = {k} inputs, not a multiple of the group size {group}; pick a group "
                              f"size that divides {k}.")
     info = checkpoint.section(bits, group, symmetric)
-    _write_weights(out / checkpoint.WEIGHTS_FILE, weights, names, bits, group, symmetric, progress)
-    for file in src.iterdir():
-        if file.is_file() and file.name != "config.json" and not _is_weights(file):
-            atomic_write_bytes(out / file.name, file.read_bytes())
     plain = {k: v for k, v in cfg.items() if k != "quantization_config"}  # the source's format is gone
-    atomic_write_text(out / "config.json", json.dumps(plain | {checkpoint.SECTION: info}, indent=2))
+    with staged_directory(out) as staging:
+        _write_weights(staging / checkpoint.WEIGHTS_FILE, weights, names, bits, group, symmetric, progress)
+        for file in src.iterdir():
+            if file.is_file() and file.name != "config.json" and not _is_weights(file):
+                shutil.copyfile(file, staging / file.name)
+        (staging / "config.json").write_text(json.dumps(plain | {checkpoint.SECTION: info}, indent=2))
     return info
 
 
@@ -89,18 +97,6 @@ def _write_weights(path: Path, weights: Weights, packed: set[str], bits: int, gr
 
 def _is_weights(file: Path) -> bool:
     return file.name.endswith((".safetensors", ".safetensors.index.json")) or file.suffix in PICKLE_SUFFIXES
-
-
-def _check_destination(src: Path, out: Path) -> None:
-    if out.resolve() == src.resolve():
-        raise InputError(f"--out {out} is the source directory; write the quantised checkpoint somewhere else.")
-    if out.is_dir():
-        stray = [f.name for f in out.iterdir() if _is_weights(f) and f.name != checkpoint.WEIGHTS_FILE]
-        if stray:
-            raise InputError(f"{out} already holds other weights ({', '.join(sorted(stray))}) that would load with "
-                             "the quantised ones; choose an empty --out directory.")
-    elif out.exists():
-        raise InputError(f"--out {out} is a file; give a directory.")
 
 
 @click.command("quantize")

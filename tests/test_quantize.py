@@ -146,8 +146,17 @@ def test_requantising_and_clobbering_are_refused(source, quantized, tmp_path):
     with pytest.raises(InputError, match="is the source directory"):
         quantize_checkpoint(source, source, 4, 64)
     (tmp_path / "old.safetensors").write_bytes(b"")
-    with pytest.raises(InputError, match=r"already holds other weights \(old.safetensors\)"):
+    with pytest.raises(InputError, match="holds files that are not an npumoe-quantised checkpoint"):
         quantize_checkpoint(source, tmp_path, 4, 64)
+    assert [p.name for p in tmp_path.iterdir()] == ["old.safetensors"]
+
+
+def test_an_earlier_quantised_checkpoint_is_replaced_whole(source, tmp_path):
+    quantize_checkpoint(source, tmp_path / "q", 4, 64)
+    (tmp_path / "q" / "stale.txt").write_text("from the first run")
+    quantize_checkpoint(source, tmp_path / "q", 2, 64)
+    assert not (tmp_path / "q" / "stale.txt").exists() and [p.name for p in tmp_path.iterdir()] == ["q"]
+    assert npumoe.load(tmp_path / "q").config[checkpoint.SECTION]["bits"] == 2
 
 
 @pytest.mark.parametrize("method, match", [("awq", "quantized \\(awq\\)"), ("gptq", "GPTQ with one scale per output row")])

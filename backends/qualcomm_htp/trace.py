@@ -22,10 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from npumoe.core.io import atomic_write_text
+from npumoe.core.outputs import OutputKind, claim, json_object
 
 RUN_START = "Accelerator (execute) time (cycles)"
 RUN_END = "QNN (execute) time"
 THREADS = {"Host": 1, "HTP graphs": 2, "HTP ops": 3}
+KIND = "npumoe.Trace"  # in otherData, where trace viewers keep what they do not read
+TRACE = OutputKind("an npumoe trace", directory=False,
+                   recognise=lambda path: (json_object(path).get("otherData") or {}).get("kind") == KIND)
 
 
 @dataclass
@@ -95,8 +99,8 @@ def chrome_trace(engine) -> dict:
                            "ts": round(ts, 3), "dur": round(dur, 3), "args": {"cycles": cycles, "graph": ex.graph_name}})
             ts += dur
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"htp_graph_cycles": graph_cycles(engine)}}
+            "otherData": {"kind": KIND, "htp_graph_cycles": graph_cycles(engine)}}
 
 
 def write_trace(path: str | Path, engine) -> Path:
-    return atomic_write_text(path, json.dumps(chrome_trace(engine)))
+    return atomic_write_text(claim(path, TRACE, "--trace"), json.dumps(chrome_trace(engine)))

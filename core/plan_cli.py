@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import click
 from rich.console import Console
@@ -10,6 +9,7 @@ from rich.table import Table
 
 from npumoe.core.calibrate import PROFILE, RoutingProfile, calibrate, overlap_at_k
 from npumoe.core.cli import dtype_option, model_option
+from npumoe.core.io import existing_file
 from npumoe.core.outputs import claim
 from npumoe.core.plan import MAX_TIERS, METHODS, OVERFLOW_POLICIES, PLAN, RESIDENCY, plan
 from npumoe.errors import InputError
@@ -26,9 +26,7 @@ def default_calibration_texts() -> dict[str, str]:
 def read_texts(paths: tuple[str, ...]) -> dict[str, str]:
     texts = {}
     for p in paths:
-        path = Path(p)
-        if not path.is_file():
-            raise InputError(f"calibration text {p!r} does not exist.")
+        path = existing_file(p, "calibration text (--text FILE)")
         texts[str(path)] = path.read_text(encoding="utf-8", errors="replace")
     if not any(t.strip() for t in texts.values()):
         raise InputError("the calibration text is empty; give files with text in them.")

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 from npumoe.core import graphs
 from npumoe.core.ir import Graph
-from npumoe.core.spec import ModelSpec, MoESpec
+from npumoe.core.spec import MLPSpec, ModelSpec, MoESpec
+from npumoe.core.weights import available_memory
+from npumoe.errors import InputError
 
 HOST_OPS = ("embed", "rope_tables", "attention_mask", "kv_append", "router", "dispatch", "combine", "residual", "sample")
 
@@ -68,8 +70,30 @@ def unplanned_groups(spec: ModelSpec, i: int) -> list[ExpertGroup]:
     return [ExpertGroup(f"L{i}.cpu.all", tuple(range(moe.num_experts)), 0)]
 
 
+def running_bytes(spec: ModelSpec, chunk: int, max_context: int) -> int:
+    """fp32 bytes a run holds besides the weights: the KV cache, and one prefill chunk's activations (hidden
+    states, the widest feed-forward, attention scores over the cache, logits). An estimate, within a small factor."""
+    kv = sum(ls.attention.num_kv_heads * (ls.attention.head_dim + ls.attention.v_head_dim) for ls in spec.layers)
+    widest = max((ls.ffn.intermediate if isinstance(ls.ffn, MLPSpec) else ls.ffn.expert.intermediate * ls.ffn.top_k)
+                 for ls in spec.layers)
+    heads = max(ls.attention.num_heads for ls in spec.layers)
+    per_token = spec.vocab_size + 4 * spec.hidden_size + 3 * widest + heads * (max_context + chunk)
+    return 4 * (max_context * kv + chunk * per_token)
+
+
+def check_fits(spec: ModelSpec, chunk: int, max_context: int) -> None:
+    """Refuse a chunk or context the machine cannot hold before anything is allocated: a typo such as
+    --chunk 100000000 would otherwise ask the allocator for hundreds of GB and die with its message."""
+    need, free = running_bytes(spec, chunk, max_context), available_memory()
+    if free and need > free:
+        raise InputError(f"--chunk {chunk} with a {max_context}-token context needs about {need / 1e9:.3g} GB for "
+                         f"activations and the KV cache, but {free / 1e9:.3g} GB is free; use a smaller --chunk "
+                         "(or --max-context).")
+
+
 def build_program(spec: ModelSpec, chunk: int = 64, max_context: int = 512, plan=None) -> Program:
     """Lay out every graph for prefill chunks of ``chunk`` tokens and single-token decode."""
+    check_fits(spec, chunk, max_context)
     out: dict[str, Graph] = {}
     seqs = sorted({chunk, 1}, reverse=True)
     steps: list[LayerStep] = []

@@ -25,10 +25,9 @@ from npumoe.core.weights import Weights
 from npumoe.errors import InputError
 from npumoe.luts import checkpoint, spec
 from npumoe.models.loader import (
-    PICKLE_SUFFIXES, canonical_sources, is_gptq, open_checkpoint, read_config,
+    PICKLE_SUFFIXES, canonical_sources, config_spec, is_gptq, open_checkpoint, read_config,
 )
 from npumoe.models.stored_formats import stored_format, views
-from npumoe.models.registry import adapter_for
 
 QUANTIZED_CHECKPOINT = OutputKind("an npumoe-quantised checkpoint", directory=True,
                                   recognise=lambda path: checkpoint.SECTION in json_object(path / "config.json"))
@@ -45,8 +44,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int,
         raise InputError(f"{src} is a GPTQ export, which npumoe loads as it is (routed experts run packed on the LUT "
                          "kernels); quantise the original checkpoint instead to choose other bits.")
     stored_format(cfg)  # FP8 and MXFP4 sources are widened tensor by tensor; other quantisations refused
-    adapter = adapter_for(cfg.get("model_type"))
-    model_spec = adapter.spec(cfg)
+    adapter, model_spec = config_spec(cfg, str(src / "config.json"))
     spec.check_format(bits, group, symmetric=symmetric)
     if out.resolve() == src.resolve():
         raise InputError(f"--out {out} is the source directory; write the quantised checkpoint somewhere else.")

@@ -16,6 +16,7 @@ import torch
 from npumoe.core.spec import ModelSpec
 from npumoe.core.tensorfile import Checkpoint
 from npumoe.core.weights import TensorSource, Weights
+from npumoe.models.checks import check_config, check_spec
 from npumoe.models.registry import adapter_for
 from npumoe.models.stored_formats import StoredView, plain_views, stored_format, views
 from npumoe.models.tokenizer import load_tokenizer
@@ -45,15 +46,26 @@ class Model:
 
 
 def read_config(path: Path) -> dict:
+    """config.json of a checkpoint directory, parsed and checked (:mod:`npumoe.models.checks`)."""
+    if path.is_file():
+        raise ModelDirError(f"{str(path)!r} is a file, not a model directory; pass the Hugging Face checkpoint "
+                            "directory that holds it.")
     if not path.is_dir():
         raise ModelDirError(f"model directory {str(path)!r} does not exist; pass a Hugging Face checkpoint directory.")
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise ModelDirError(f"{str(path)!r} has no config.json; point --model at a Hugging Face checkpoint directory.")
     try:
-        return json.loads(cfg_path.read_text())
+        cfg = json.loads(cfg_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ModelDirError(f"{cfg_path} is not valid JSON ({err}).") from err
+    return check_config(cfg, str(cfg_path))
+
+
+def config_spec(cfg: dict, where: str = "config.json"):
+    """(adapter, ModelSpec) of a checked config, the spec itself checked too, before any weight is touched."""
+    adapter = adapter_for(cfg.get("model_type"))
+    return adapter, check_spec(adapter.spec(cfg), where)
 
 
 def safetensors_files(path: Path) -> list[Path]:
@@ -142,9 +154,8 @@ def load(path: str | Path | None = None, dtype: str = "auto") -> Model:
     or ``float16``."""
     path = Path(path) if path is not None else DEMO_DIR
     cfg = read_config(path)
-    adapter = adapter_for(cfg.get("model_type"))
+    adapter, spec = config_spec(cfg, str(path / "config.json"))
     if not is_gptq(cfg):
         stored_format(cfg)  # refuses a quantisation npumoe cannot read, before any work
-    spec = adapter.spec(cfg)
     weights = _read_weights(path, cfg, adapter, spec, dtype)
     return Model(spec=spec, weights=weights, config=cfg, path=path, tokenizer=load_tokenizer(path))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from npumoe.core.outputs import json_object
 from npumoe.errors import InputError
 
 MARKER = "npumoe_tokenizer.json"  # {"kind": "bytes"}: token id = byte value
@@ -34,25 +34,32 @@ class HFTokenizer:
 
 
 class MissingTokenizer:
-    def __init__(self, model_dir: Path):
-        self.model_dir = model_dir
+    """Stands in for a tokenizer npumoe cannot use: the model still loads (and runs on --ids), and text is
+    refused on first use with the reason."""
+
+    def __init__(self, model_dir: Path, reason: str | None = None):
+        self.reason = reason or f"{model_dir} has no tokenizer.json (or the `tokenizers` package is missing)"
 
     def encode(self, text: str) -> list[int]:
-        raise InputError(
-            f"{self.model_dir} has no tokenizer.json (or the `tokenizers` package is missing); "
-            "pass token ids with --ids instead of a text prompt."
-        )
+        raise InputError(f"{self.reason}; pass token ids with --ids instead of a text prompt.")
 
     decode = encode
 
 
 def load_tokenizer(model_dir: Path):
-    marker = model_dir / MARKER
-    if marker.exists() and json.loads(marker.read_text()).get("kind") == "bytes":
-        return ByteTokenizer()
-    if (model_dir / "tokenizer.json").exists():
+    """The checkpoint's tokenizer: npumoe's byte marker, else tokenizer.json, else a stand-in that says why not."""
+    marker, file = model_dir / MARKER, model_dir / "tokenizer.json"
+    if marker.exists():
+        return ByteTokenizer() if json_object(marker).get("kind") == "bytes" else MissingTokenizer(
+            model_dir, f"{marker} is not npumoe's tokenizer marker ({{\"kind\": \"bytes\"}})")
+    if file.is_dir():
+        return MissingTokenizer(model_dir, f"{file} is a directory, not a tokenizer file")
+    if file.exists():
         try:
-            return HFTokenizer(model_dir / "tokenizer.json")
+            return HFTokenizer(file)
         except ImportError:
             pass
+        except Exception as err:  # noqa: BLE001 - the tokenizers package raises a bare Exception for any bad file
+            return MissingTokenizer(model_dir, f"{file} is not a tokenizer the `tokenizers` package can read ({err})")
     return MissingTokenizer(model_dir)
+

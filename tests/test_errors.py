@@ -113,3 +113,65 @@ def test_prompt_longer_than_cache(tiny):
         eng.forward(list(range(9)))
     with pytest.raises(InputError, match="KV cache"):
         eng.generate(list(range(6)), max_new_tokens=4)
+
+
+def with_config(tiny, tmp_path, **edits):
+    """A copy of the tiny checkpoint whose config.json has ``edits`` applied (None removes a key)."""
+    path = copy_checkpoint(tiny, tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg = {k: v for k, v in {**cfg, **edits}.items() if v is not None}
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("edits, message", [
+    (dict(num_hidden_layers=0), "num_hidden_layers is 0, but it must be a whole number ≥ 1"),
+    (dict(num_experts_per_tok=0), "num_experts_per_tok is 0, but it must be a whole number ≥ 1"),
+    (dict(num_experts_per_tok=5), "num_experts_per_tok is 5, but each MoE layer has 4 experts; set it between 1 and 4"),
+    (dict(rms_norm_eps=-1e-6), "rms_norm_eps is -1e-06, but it must be a positive number"),
+    (dict(hidden_size="32"), "hidden_size is '32', but it must be a whole number ≥ 1"),
+    (dict(num_attention_heads=True), "num_attention_heads is True, but it must be a whole number ≥ 1"),
+    (dict(num_key_value_heads=3, num_attention_heads=4), r"num_attention_heads \(4\) is not a multiple of "
+                                                          r"num_key_value_heads \(3\)"),
+    (dict(rope_scaling=[1, 2]), "rope_scaling is \\[1, 2\\], but it must be a JSON object"),
+    (dict(eos_token_id="</s>"), "eos_token_id is '</s>', but it must be a token id or a list of them"),
+    (dict(model_type=["qwen3_moe"]), "model_type is \\['qwen3_moe'\\], but it must be a JSON string"),
+])
+def test_impossible_config_values_are_named_before_loading(tiny, tmp_path, capsys, edits, message):
+    path = with_config(tiny, tmp_path, **edits)
+    with pytest.raises(UnsupportedModelError, match=message):
+        npumoe.load(path)
+    assert "config.json" in cli_error(capsys, "inspect", str(path))
+
+
+def test_a_config_that_is_not_an_object(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert "config.json holds a JSON list, not an object" in cli_error(capsys, "inspect", str(tmp_path))
+
+
+def test_a_chunk_the_machine_cannot_hold_is_refused_before_allocating(tiny, capsys):
+    err = cli_error(capsys, "generate", "--model", str(tiny), "--ids", "1", "--chunk", "1000000000")
+    assert "--chunk 1000000000 with a" in err and "GB is free; use a smaller --chunk" in err
+
+
+@pytest.mark.parametrize("content, reason", [
+    (b"\x00 not json", "is not a tokenizer the `tokenizers` package can read"),
+    (None, "is a directory, not a tokenizer file"),
+])
+def test_an_unreadable_tokenizer_is_named_and_ids_still_run(tiny, tmp_path, capsys, content, reason):
+    path = copy_checkpoint(tiny, tmp_path / "m")
+    if content is None:
+        (path / "tokenizer.json").mkdir()
+    else:
+        (path / "tokenizer.json").write_bytes(content)
+    err = cli_error(capsys, "generate", "--model", str(path), "--prompt", "hello", "-n", "1")
+    assert "tokenizer.json " + reason in err and "pass token ids with --ids" in err
+    assert len(npumoe.Engine(npumoe.load(path)).generate([1, 2], max_new_tokens=1)) == 1
+
+
+def test_a_directory_where_a_file_is_expected_is_called_a_directory(tiny, tmp_path, capsys):
+    assert "is a directory, not a file; expected a plan" in cli_error(
+        capsys, "generate", "--model", str(tiny), "--ids", "1", "--plan", str(tmp_path))
+    assert "is a directory, not a file; expected calibration text" in cli_error(
+        capsys, "calibrate", "--model", str(tiny), "--text", str(tmp_path), "--out", str(tmp_path / "p.json"))
+    assert "is a file, not a model directory" in cli_error(capsys, "inspect", str(tiny / "config.json"))

@@ -1,0 +1,91 @@
+"""config.json checked before anything is allocated: one place for every family.
+
+The adapters read configs trustingly (a family file should say what a key means, not police it),
+so a config that cannot describe a model is refused here, with the key and the fix: a JSON list
+instead of an object, a string where a size belongs, no layers, top-k beyond the expert count or
+a non-positive norm epsilon would otherwise end in a traceback or run and print garbage.
+"""
+
+from __future__ import annotations
+
+import math
+
+from npumoe.core.spec import ModelSpec, MoESpec
+from npumoe.errors import UnsupportedModelError
+
+AT_LEAST_ONE = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts_per_tok",
+                "max_position_embeddings", "decoder_sparse_step", "n_group", "topk_group")
+AT_LEAST_ZERO = ("num_experts", "num_local_experts", "n_routed_experts", "n_shared_experts", "first_k_dense_replace",
+                 "shared_expert_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim",
+                 "qk_nope_head_dim", "v_head_dim", "sliding_window")
+POSITIVE_NUMBERS = ("rms_norm_eps", "layer_norm_eps", "rope_theta")
+NUMBERS = ("routed_scaling_factor", "partial_rotary_factor", "router_jitter_noise", "swiglu_limit", "clip_qkv")
+TYPED = {"model_type": str, "hidden_act": str, "rope_scaling": dict, "rope_parameters": dict,
+         "quantization_config": dict, "layer_types": list, "mlp_only_layers": list}
+
+
+def check_config(cfg: object, where: str = "config.json") -> dict:
+    """The raw values every family reads: types and ranges, named as the file spells them."""
+    if not isinstance(cfg, dict):
+        raise UnsupportedModelError(f"{where} holds a JSON {type(cfg).__name__}, not an object; a Hugging Face "
+                                    "config.json is one {...} object of settings.")
+    for keys, least in ((AT_LEAST_ONE, 1), (AT_LEAST_ZERO, 0)):
+        for key in _present(cfg, keys):
+            if not _is_int(cfg[key]) or cfg[key] < least:
+                raise _bad(where, key, cfg[key], f"a whole number ≥ {least}")
+    for key in _present(cfg, (*POSITIVE_NUMBERS, *NUMBERS)):
+        value = cfg[key]
+        if not _is_number(value) or (key in POSITIVE_NUMBERS and value <= 0):
+            raise _bad(where, key, value, "a positive number" if key in POSITIVE_NUMBERS else "a number")
+    for key, kind in TYPED.items():
+        if cfg.get(key) is not None and not isinstance(cfg[key], kind):
+            raise _bad(where, key, cfg[key], f"a JSON {_JSON_NAMES[kind]}")
+    eos = cfg.get("eos_token_id")
+    if eos is not None and not (_is_int(eos) or isinstance(eos, list) and all(map(_is_int, eos))):
+        raise _bad(where, "eos_token_id", eos, "a token id or a list of them")
+    return cfg
+
+
+def check_spec(spec: ModelSpec, where: str = "config.json") -> ModelSpec:
+    """What only the resolved spec shows, whichever spelling a family used: top-k against the expert
+    count, query heads against key/value heads, expert groups against the experts."""
+    for ls in spec.layers:
+        att = ls.attention
+        if att.num_heads % att.num_kv_heads:
+            raise UnsupportedModelError(f"{where}: num_attention_heads ({att.num_heads}) is not a multiple of "
+                                        f"num_key_value_heads ({att.num_kv_heads}); fix one of them.")
+        if isinstance(ls.ffn, MoESpec):
+            _check_routing(ls.ffn, where)
+    return spec
+
+
+def _check_routing(moe: MoESpec, where: str) -> None:
+    experts, r = moe.num_experts, moe.router
+    if not 1 <= r.top_k <= experts:
+        raise UnsupportedModelError(f"{where}: num_experts_per_tok is {r.top_k}, but each MoE layer has {experts} "
+                                    f"experts; set it between 1 and {experts}.")
+    if experts % r.n_group or r.topk_group > r.n_group:
+        raise UnsupportedModelError(f"{where}: n_group ({r.n_group}) must divide the {experts} experts and "
+                                    f"topk_group ({r.topk_group}) must not exceed it; fix them.")
+
+
+def _present(cfg: dict, keys) -> list[str]:
+    """Keys set to a value (configs write null for 'not used', e.g. q_lora_rank)."""
+    return [k for k in keys if cfg.get(k) is not None]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+_JSON_NAMES = {str: "string", dict: "object", list: "list"}
+
+
+def _bad(where: str, key: str, value, expected: str) -> UnsupportedModelError:
+    return UnsupportedModelError(f"{where}: {key} is {value!r}, but it must be {expected}; correct it (the "
+                                 "model card or the original config.json has the right value).")

@@ -8,7 +8,7 @@ so the CPU kernels, the ANE and the Hexagon NPU all run the same weights.
 Core ML ``constexpr_blockwise_shift_scale`` (iOS 18): output = scale · (data − offset), the
 block size implied by data.shape / scale.shape, so [N, K/group] scales give blocks of
 1 × group.
-    data    int4 (b ≤ 4) or int8 (b = 8), [N, K]: q − 2^(D−1), D = 4 or 8 the stored width
+    data    int4 (b ≤ 4) or int8 (b = 5, 8), [N, K]: q − 2^(D−1), D = 4 or 8 the stored width
     offset  same type, [N, K/group]: z − 2^(D−1)
     scale   [N, K/group]: s
   Symmetric weights drop the offset and store data = q − z (signed, zero-centred); the QDQ
@@ -16,13 +16,14 @@ block size implied by data.shape / scale.shape, so [N, K/group] scales give bloc
 
 Core ML ``constexpr_lut_to_dense`` (iOS 18): output[n, k] = lut[n, k // group, indices[n, k], 0],
 one palette per block of 1 × group (the leading lut dims divide the indices' dims).
-    indices uint{b} [N, K]: q
-    lut     [N, K/group, 2^b, 1]: the level-2 value table V[n, g, v] = s · (v − z)
-            (spec.value_tables), so the palette *is* npumoe's per-group table.
+    indices uint{P} [N, K]: q, P = b except 5 → 6 (Core ML has no uint5)
+    lut     [N, K/group, 2^P, 1]: the level-2 value table V[n, g, v] = s · (v − z)
+            (spec.value_tables), so the palette *is* npumoe's per-group table (at b = 5
+            padded with 32 zero entries no code reaches).
 
 ONNX ``DequantizeLinear`` (opset 21, blocked) as QNN's QDQ weights: y = (x − zero_point) ·
 scale along ``axis`` = 1 in blocks of ``block_size`` = group.
-    x           int4 (b ≤ 4) or int8 (b = 8), [N, K]: q − 2^(D−1)
+    x           int4 (b ≤ 4) or int8 (b = 5, 8), [N, K]: q − 2^(D−1)
     zero_point  same type, [N, K/group]: z − 2^(D−1) (symmetric: x = q − z, zero points 0)
     scale       [N, K/group]: s
   Per-channel (``axis`` = 0, scale and zero point [N]) exists when every group of a row
@@ -56,7 +57,7 @@ class LutToDense:
 
     indices: np.ndarray
     lut: np.ndarray
-    dtype: str  # "uint1" … "uint8": the indices' type
+    dtype: str  # "uint1" … "uint8" (no uint5): the indices' type
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,14 @@ class QDQ:
 def _stored(bits: int) -> tuple[str, int]:
     """The signed type a code fits, and the shift 2^(D−1) that centres [0, 2^b) in it."""
     return ("int4", 8) if bits <= 4 else ("int8", 128)
+
+
+PALETTE_BITS = (1, 2, 3, 4, 6, 8)  # Core ML's index types, uint1 … uint8
+
+
+def palette_bits(bits: int) -> int:
+    """The narrowest Core ML index type that holds b-bit codes (uint6 for 5 bits)."""
+    return min(p for p in PALETTE_BITS if p >= bits)
 
 
 def _codes(packed: spec.Packed) -> np.ndarray:
@@ -106,8 +115,11 @@ def lut_to_dense(packed: spec.Packed, lut_dtype=np.float16) -> LutToDense:
     m = packed.meta
     if np.dtype(lut_dtype) not in (np.float16, np.float32):
         raise InputError(f"palette dtype {np.dtype(lut_dtype)} is not supported; use float16 or float32.")
-    lut = spec.value_tables(packed.scales, packed.zeros, m.bits).astype(lut_dtype)[..., None]
-    return LutToDense(_codes(packed).astype(np.uint8), lut, f"uint{m.bits}")
+    index_bits = palette_bits(m.bits)
+    tables = spec.value_tables(packed.scales, packed.zeros, m.bits)
+    unused = [(0, 0), (0, 0), (0, 2**index_bits - 2**m.bits)]  # entries no b-bit code reaches: zero
+    return LutToDense(_codes(packed).astype(np.uint8), np.pad(tables, unused).astype(lut_dtype)[..., None],
+                      f"uint{index_bits}")
 
 
 def qdq_blocked(packed: spec.Packed, scale_dtype=np.float32) -> QDQ:

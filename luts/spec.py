@@ -6,7 +6,7 @@ where the result must be bit-reproducible.
 
 Codes and quantisation
     A weight matrix W [N, K] (N outputs, K inputs) is stored as codes q[n, k] in
-    [0, 2^b), b ∈ {1, 2, 3, 4, 8}, with one float16 scale s[n, g] > 0 and one integer
+    [0, 2^b), b ∈ {1, 2, 3, 4, 5, 8}, with one float16 scale s[n, g] > 0 and one integer
     zero point z[n, g] ∈ [0, 2^b) per group g = k // group, group ∈ {32, 64, 128}:
 
         w[n, k] = s[n, g] · (q[n, k] − z[n, g])
@@ -14,7 +14,10 @@ Codes and quantisation
     The product is exact in fp32 (11-bit scale times an integer of at most 8 bits), so
     every dequantisation route below yields the same fp32 bits. Symmetric tensors
     use z = 2^(b−1) (GPTQ's convention, so they map to signed int4 with zero point 0);
-    1-bit symmetric is refused (its levels are −s and 0).
+    1-bit symmetric is refused (its levels are −s and 0). Nothing in the format depends
+    on b beyond the plane count; b = 5 is there because symmetric 5-bit codes hold every
+    MXFP4 (FP4 E2M1) value exactly: q = 2·v + 16 ∈ [4, 28] with s = 2^(e − 128)
+    (:mod:`npumoe.luts.mxfp4`).
 
 Bit-serial layout (what decoding reads)
     b one-bit planes. Plane i, row n, holds for each run c of 4 consecutive inputs the
@@ -54,7 +57,7 @@ import numpy as np
 
 from npumoe.errors import InputError, WeightError
 
-BITS = (1, 2, 3, 4, 8)
+BITS = (1, 2, 3, 4, 5, 8)
 GROUPS = (32, 64, 128)
 TABLE_BITS = (8, 16)
 TABLE_MAX = {8: 127, 16: 32767}

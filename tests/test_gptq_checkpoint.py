@@ -97,7 +97,7 @@ def test_gptq_export_loads_as_stored_and_runs_like_transformers(source, tmp_path
 @pytest.mark.parametrize("changes, error, match", [
     (dict(group_size=-1), UnsupportedModelError, "one scale per output row"),
     (dict(group_size=48), UnsupportedModelError, "group 48"),
-    (dict(bits=5), UnsupportedModelError, "5 bits"),
+    (dict(bits=6), UnsupportedModelError, "6 bits"),
     (dict(checkpoint_format="marlin"), UnsupportedModelError, "checkpoint_format 'marlin'"),
     (dict(quant_method="awq"), UnsupportedModelError, "quantized \\(awq\\)"),
 ])  # fmt: skip

@@ -15,7 +15,8 @@ rng_shapes = np.random.default_rng(6)
 GEMV_CASES = [(bits, group, 1024, 1024, False) for bits in (2, 4) for group in (64, 128)] + [
     (int(rng_shapes.choice([2, 4])), group, 128 * int(rng_shapes.integers(1, 6)), group * int(rng_shapes.integers(1, 9)),
      bool(rng_shapes.integers(2))) for group in (64, 128, 64, 128)] + [
-    (1, 32, 256, 96, False), (3, 64, 200, 192, True), (8, 128, 128, 256, False)]  # other widths, padded rows
+    (1, 32, 256, 96, False), (3, 64, 200, 192, True), (5, 32, 130, 160, True),  # other widths, padded rows
+    (8, 128, 128, 256, False)]
 
 
 def make(bits, group, n, k, symmetric, seed=0):
@@ -23,7 +24,8 @@ def make(bits, group, n, k, symmetric, seed=0):
     return spec.quantize_pack(rng.standard_normal((n, k), dtype=np.float32), bits, group, symmetric), rng
 
 
-@pytest.mark.parametrize("case", [(4, 64, 256, 128), (2, 128, 130, 384), (3, 32, 1, 64), (8, 64, 129, 64)], ids=str)
+@pytest.mark.parametrize("case", [(4, 64, 256, 128), (2, 128, 130, 384), (3, 32, 1, 64), (5, 32, 200, 96),
+                                  (8, 64, 129, 64)], ids=str)
 def test_repack_round_trips_and_is_a_gather_of_canonical_bytes(case):
     bits, group, n, k = case
     packed, _ = make(bits, group, n, k, False)

@@ -14,7 +14,7 @@ ISAS = ("portable", "avx2", "avx512", "neon")
 EDGE_CASES = [
     (1, False, 32, 1, 32, 1), (2, False, 64, 17, 128, 2), (2, True, 128, 16, 256, 9), (3, False, 32, 33, 96, 8),
     (3, True, 64, 15, 192, 3), (4, False, 64, 64, 512, 13), (4, True, 32, 100, 64, 1), (8, False, 128, 40, 384, 17),
-    (8, True, 32, 31, 160, 6), (4, False, 128, 48, 1024, 4),
+    (8, True, 32, 31, 160, 6), (4, False, 128, 48, 1024, 4), (5, True, 32, 47, 288, 13), (5, False, 64, 16, 128, 2),
 ]
 
 
@@ -89,6 +89,25 @@ def test_lut_dequantisation_is_bit_exact_and_gemm_matches_fp64(lut, case):
     ref = x.astype(np.float64) @ w.T.astype(np.float64)
     bound = x.shape[1] * 2.0**-23 * (np.abs(x).astype(np.float64) @ np.abs(w).T)  # any fp32 summation order
     assert y.shape == ref.shape and np.all(np.abs(y - ref) <= bound + 1e-30)
+
+
+def test_mxfp4_codes_with_every_fp16_power_of_two_scale_are_exact(lut):
+    """5-bit symmetric codes in [4, 28] (2·v + 16 for FP4 E2M1 values v) with scales 2^-24 (an fp16
+    subnormal) to 2^15: the kernels' dequantisation and accumulators are the spec's, bit for bit."""
+    rng = np.random.default_rng(5)
+    n, k = 40, 64 * 32
+    exponents = np.arange(-24, 16)
+    codes = 16 + 2 * rng.choice([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.5, -1, -1.5, -2, -3, -4, -6], (n, k))
+    scales = np.ldexp(np.float32(1), rng.permutation(np.resize(exponents, n * k // 32)).reshape(n, -1))
+    packed = spec.pack(codes.astype(np.uint8), scales.astype(np.float16), np.full((n, k // 32), 16, np.uint8),
+                       5, 32, symmetric=True)
+    assert np.array_equal(packed.scales.astype(np.float32), scales)  # every one exact in fp16
+    tiled, x = layout.to_tiles(packed), activations(rng, (2, k), 32)
+    assert np.array_equal(lut.dequantize(tiled), spec.dequantize(packed))
+    _, acc = lut.gemv(tiled, x, accumulators=True)
+    for row in range(x.shape[0]):
+        tq, _ = spec.quantize_tables(spec.build_tables(x[row]), 32)
+        assert np.array_equal(acc[row], spec.lut_accumulate(packed.planes, tq, 32))
 
 
 def test_outputs_are_within_nmse_of_fp32_dequant_then_matmul(lut):

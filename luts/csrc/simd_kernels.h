@@ -34,6 +34,7 @@
     case 2: call(2); break;             \
     case 3: call(3); break;             \
     case 4: call(4); break;             \
+    case 5: call(5); break;             \
     default: call(8); break;            \
     }
 

@@ -16,7 +16,9 @@ What ``npumoe quantize`` writes and ``npumoe.load`` reads:
 
 On load a packed matrix stays packed (:class:`QuantizedWeights`): the CPU executor runs it
 through ``npumoe::lut_linear``, and a backend that lowers fp32 weights gets it dequantised
-when it asks for it, so a loaded model holds its experts at their packed size.
+when it asks for it, so a loaded model holds its experts at their packed size. Foreign formats
+whose codes are LUT codes too load through the same class: GPTQ exports packed at load, gpt-oss
+MXFP4 experts packed when first used (:class:`Deferred`).
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from npumoe.core.spec import ModelSpec, MoESpec
 from npumoe.core.tensorfile import SafetensorsFile
-from npumoe.core.weights import Weights, expert, tensor_digest
+from npumoe.core.weights import TensorSource, Weights, expert, tensor_digest
 from npumoe.errors import WeightError
 from npumoe.luts import spec
 from npumoe.luts.torch_op import LutLinear
@@ -87,19 +91,79 @@ def _packed(name: str, meta: dict, stored: dict, file: Path) -> spec.Packed:
     return packed
 
 
+@dataclass(frozen=True)
+class Deferred:
+    """A matrix to be held packed only if it can be, decided and packed when first needed.
+
+    A checkpoint whose codes need converting (MXFP4's) would otherwise read every expert at load,
+    minutes for gpt-oss-120b, where ``inspect`` and ``plan`` read headers only. ``packable`` is
+    the cheap check (MXFP4: its scales fit float16), ``build`` the packing; a matrix that is not
+    packable stays with its plain source, which the weights must also be given.
+    """
+
+    bits: int
+    group: int
+    packable: Callable[[], bool]
+    build: Callable[[], spec.Packed]
+
+
+class PackedLinears(Mapping):
+    """Matrix name → :class:`LutLinear`, for the matrices held packed; a deferred one is checked and
+    built when first asked about, then kept (the executor binds each once, as it would a tensor)."""
+
+    def __init__(self, entries: Mapping[str, spec.Packed | Deferred]):
+        self._entries = dict(entries)
+        self._packable: dict[str, bool] = {}
+        self._linears = {name: LutLinear(p) for name, p in entries.items() if isinstance(p, spec.Packed)}
+
+    def __contains__(self, name) -> bool:
+        entry = self._entries.get(name)
+        if not isinstance(entry, Deferred):
+            return entry is not None
+        if name not in self._packable:
+            self._packable[name] = entry.packable()
+        return self._packable[name]
+
+    def __getitem__(self, name: str) -> LutLinear:
+        if name not in self:
+            raise KeyError(name)
+        if name not in self._linears:
+            self._linears[name] = LutLinear(self._entries[name].build())
+        return self._linears[name]
+
+    def __iter__(self):
+        return (name for name in self._entries if name in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    @property
+    def candidates(self) -> list[str]:
+        """Every matrix offered packed, including those that stay plain (not packable)."""
+        return list(self._entries)
+
+    @property
+    def formats(self) -> list[tuple[int, int]]:
+        """(bits, group) of the matrices held packed, without packing a deferred one."""
+        return sorted({(e.meta.bits, e.meta.group) if isinstance(e, spec.Packed) else (e.bits, e.group)
+                       for name, e in self._entries.items() if name in self})
+
+
 class QuantizedWeights(Weights):
     """Weights some of whose matrices are held only packed.
 
     ``packed[name]`` is the :class:`LutLinear` the CPU executor runs instead of an fp32
     ``linear``; ``self[name]`` dequantises it on each access (bit-identical to
     :func:`npumoe.luts.spec.dequantize`), for backends that lower fp32 weights once.
+    A :class:`Deferred` matrix keeps its plain source in ``tensors`` for when it is not packable.
     """
 
-    def __init__(self, tensors: dict[str, torch.Tensor], model_spec: ModelSpec, packed: dict[str, spec.Packed],
-                 source: str = "", dtype: str | torch.dtype = "float32"):
-        shapes = {name: torch.empty(p.meta.shape, device="meta") for name, p in packed.items()}
-        super().__init__(tensors | shapes, model_spec, source, dtype)
-        self.packed = {name: LutLinear(p) for name, p in packed.items()}
+    def __init__(self, tensors: Mapping[str, TensorSource | torch.Tensor], model_spec: ModelSpec,
+                 packed: Mapping[str, spec.Packed | Deferred], source: str = "", dtype: str | torch.dtype = "float32"):
+        shapes = {name: torch.empty(p.meta.shape, device="meta") for name, p in packed.items()
+                  if isinstance(p, spec.Packed)}
+        super().__init__(dict(tensors) | shapes, model_spec, source, dtype)
+        self.packed = PackedLinears(packed)
 
     def digest(self, names) -> str:
         """Packed matrices are hashed by their packed arrays (their shape source holds no data)."""

@@ -73,6 +73,17 @@ FORMAT_NAMES = {"fp8": "block FP8", "mxfp4": "MXFP4"}
 DTYPE_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 
+def packed_line(packed, source: str) -> str:
+    """How many routed-expert matrices run on the LUT kernels, in which formats, and why any do not
+    (only MXFP4 offers matrices it may keep widened: those with a scale float16 cannot hold)."""
+    count, offered = len(packed), len(packed.candidates)
+    formats = ", ".join(f"{bits}-bit group {group}" for bits, group in packed.formats) or "none"
+    share = str(count) if count == offered else f"{count} of {offered}"
+    line = f"{share} routed-expert matrices packed for the LUT kernels ({formats}; from {source})"
+    kept = offered - count
+    return f"{line}; {kept} kept widened because their scales are outside fp16" if kept else line
+
+
 @click.command("inspect")
 @click.argument("model_dir", required=False, default=str(DEMO_DIR), type=click.Path())
 def inspect_command(model_dir: str):
@@ -97,15 +108,13 @@ def inspect_command(model_dir: str):
     )
     stored = ", ".join(f"{DTYPE_SHORT.get(d, str(d))} {_human(n)}" for d, n in model.weights.stored_dtypes.items())
     fmt = stored_format(model.config) if not is_gptq(model.config) else None
-    widened = f" (as widened from {FORMAT_NAMES[fmt]}, tensor by tensor when used)" if fmt else ""
+    packed = getattr(model.weights, "packed", None)
+    widened = f" (as widened from {FORMAT_NAMES[fmt]}, tensor by tensor when used)" if fmt and not packed else ""
     console.print(f"stored as {stored} parameters{widened}; compute dtype {DTYPE_SHORT[model.weights.dtype]} "
                   "(matrices; norms and router in fp32)")
-    packed = getattr(model.weights, "packed", {})
-    if packed:
-        formats = ", ".join(f"{bits}-bit group {group}" for bits, group in sorted({(m.bits, m.group)
-                                                                                  for m in packed.values()}))
-        source = "a GPTQ export" if is_gptq(model.config) else "npumoe quantize"
-        console.print(f"{len(packed)} routed-expert matrices packed for the LUT kernels ({formats}; from {source})")
+    if packed is not None and packed.candidates:
+        console.print(packed_line(packed, "a GPTQ export" if is_gptq(model.config) else
+                                  f"{FORMAT_NAMES[fmt]} codes" if fmt else "npumoe quantize"))
     table = Table("layers", "attention", "ffn", "experts", "router", "expert size (fp16)")
     groups: dict[tuple, list[int]] = {}
     for i, ls in enumerate(spec.layers):

@@ -131,19 +131,33 @@ def is_gptq(cfg: dict) -> bool:
     return isinstance(quant, dict) and quant.get("quant_method") == "gptq"
 
 
-def _read_weights(path: Path, cfg: dict, adapter, spec: ModelSpec, dtype: str) -> Weights:
+def _packed_reader(cfg: dict):
+    """read(path, cfg, adapter, spec) → (tensors, packed matrices) for a checkpoint whose routed experts
+    load onto the LUT kernels as they are stored, or None for one read as plain tensors."""
     if is_gptq(cfg):  # a Hugging Face GPTQ export: its routed experts are already LUT-ready codes
-        from npumoe.luts.checkpoint import QuantizedWeights
         from npumoe.luts.gptq_checkpoint import read
 
-        tensors, packed = read(path, cfg, adapter, spec)
-        return QuantizedWeights(tensors, spec, packed, source=str(path), dtype=dtype)
+        return read
     if QUANTIZED in cfg:  # npumoe's own low-bit checkpoint (npumoe quantize)
-        from npumoe.luts.checkpoint import QuantizedWeights, read
+        from npumoe.luts.checkpoint import read
 
-        tensors, packed = read(path, cfg)
-        return QuantizedWeights(tensors, spec, packed, source=str(path), dtype=dtype)
-    return Weights(canonical_sources(views(open_checkpoint(path), cfg), adapter), spec, source=str(path), dtype=dtype)
+        return lambda path, cfg, adapter, spec: read(path, cfg)
+    if stored_format(cfg) == "mxfp4":  # gpt-oss: E2M1 codes are 5-bit LUT codes, packed when first used
+        from npumoe.luts.mxfp4_checkpoint import read
+
+        return read
+    return None
+
+
+def _read_weights(path: Path, cfg: dict, adapter, spec: ModelSpec, dtype: str) -> Weights:
+    reader = _packed_reader(cfg)
+    if reader is None:
+        return Weights(canonical_sources(views(open_checkpoint(path), cfg), adapter), spec, source=str(path),
+                       dtype=dtype)
+    from npumoe.luts.checkpoint import QuantizedWeights
+
+    tensors, packed = reader(path, cfg, adapter, spec)
+    return QuantizedWeights(tensors, spec, packed, source=str(path), dtype=dtype)
 
 
 def load(path: str | Path | None = None, dtype: str = "auto") -> Model:

@@ -7,7 +7,8 @@
   stacked expert tensors ``X_blocks`` [E, out, K/32, 16] hold two FP4 E2M1 codes a byte (low
   nibble first) and ``X_scales`` [E, out, K/32] one E8M0 exponent (bias 127) per 32 inputs; the
   weight is ``fp4 · 2^(e − 127)``, exact in bf16, laid out [E, in, out] as gpt-oss stores its
-  unquantised experts.
+  unquantised experts. ``npumoe.load`` holds routed MXFP4 experts as LUT codes instead
+  (:mod:`npumoe.luts.mxfp4_checkpoint`); the widened view is what stays for the rest.
 
 Nothing is widened at load: a :class:`StoredView` reads one tensor, or one expert of a stacked
 one, when a graph asks for it.
@@ -101,24 +102,31 @@ def fp8_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[i
 
 
 # -- MXFP4 ---------------------------------------------------------------------------------------------
-def mxfp4_views(ckpt: Checkpoint) -> list[StoredView]:
-    out = []
-    for view in plain_views(ckpt):
-        if view.key.endswith("_scales"):
+def mxfp4_stacks(ckpt: Checkpoint) -> dict[str, tuple[int, int, int]]:
+    """Stacked MXFP4 tensors by base name X (stored as ``X_blocks`` / ``X_scales``): (experts, output
+    rows, input groups of 32), each one's blocks checked against its scales."""
+    stacks = {}
+    for key, entry in ckpt.entries.items():
+        if not key.endswith("_blocks"):
             continue
-        if not view.key.endswith("_blocks"):
-            out.append(view)
-            continue
-        base = view.key[: -len("_blocks")]
+        base = key[: -len("_blocks")]
         scales = ckpt.entries.get(f"{base}_scales")
-        if scales is None or scales.shape != view.shape[:-1] or view.dtype != torch.uint8 or len(view.shape) != 4:
+        codes = entry.dtype == torch.uint8 and len(entry.shape) == 4 and entry.shape[-1] == MX_BLOCK // 2
+        if scales is None or not codes or scales.shape != entry.shape[:-1]:
             got = "none" if scales is None else list(scales.shape)
-            raise WeightError(f"MXFP4 tensor {view.key} {list(view.shape)} needs {base}_scales of shape "
-                              f"{list(view.shape[:-1])} (one exponent per 32 codes), found {got}; the checkpoint is "
-                              "damaged.")
-        experts, rows, groups, half = view.shape
+            raise WeightError(f"MXFP4 tensor {key} {entry.dtype}{list(entry.shape)} needs uint8 [experts, rows, "
+                              f"K/32, 16] codes and {base}_scales of shape {list(entry.shape[:-1])} (one exponent per "
+                              f"32 codes), found {got}; the checkpoint is damaged.")
+        stacks[base] = tuple(entry.shape[:3])
+    return stacks
+
+
+def mxfp4_views(ckpt: Checkpoint) -> list[StoredView]:
+    stacks = mxfp4_stacks(ckpt)
+    out = [view for view in plain_views(ckpt) if not view.key.endswith(("_blocks", "_scales"))]
+    for base, (experts, rows, groups) in stacks.items():
         out.append(StoredView(
-            base, (experts, groups * half * 2, rows), torch.bfloat16,
+            base, (experts, groups * MX_BLOCK, rows), torch.bfloat16,
             lambda base=base: mxfp4_dequantize(ckpt.tensor(f"{base}_blocks"), ckpt.tensor(f"{base}_scales")),
             lambda i, base=base: mxfp4_dequantize(ckpt.tensor(f"{base}_blocks")[i:i + 1],
                                                   ckpt.tensor(f"{base}_scales")[i:i + 1])))

@@ -1,8 +1,10 @@
-"""Block-FP8 (DeepSeek-V3) and MXFP4 (gpt-oss) checkpoints read as stored, widened per tensor.
+"""Block-FP8 (DeepSeek-V3) and MXFP4 (gpt-oss) checkpoints read as stored: FP8 widened per tensor,
+MXFP4's routed experts as 5-bit LUT codes (the rest, and experts whose scales float16 cannot
+hold, widened per expert).
 
 The truth is transformers' own dequantisation of those formats: a second checkpoint holds its
 widened weights in plain form, and npumoe must read the compressed one to exactly those values
-(and so to the same logits)."""
+(and so to the same logits, or with packed experts to transformers' within the LUT-GEMV's bound)."""
 
 import json
 
@@ -14,12 +16,19 @@ from hf_compare import build_checkpoint, transformers
 from safetensors.torch import load_file, save_file
 
 import npumoe
+from npumoe.cli import main
 from npumoe.errors import WeightError
+from npumoe.luts import layout, spec
+from npumoe.luts import mxfp4 as mx
+from npumoe.luts.checkpoint import quantized_names
 
 fp8_oracle = pytest.importorskip("transformers.integrations.finegrained_fp8")._dequantize_fp8_weight
 mxfp4_oracle = pytest.importorskip("transformers.integrations.mxfp4").convert_moe_packed_tensors
 
 BLOCK = [16, 16]
+# one row of layer 1's gate_up for expert 2 gets a scale below float16: row 5 is odd, so an "up" row
+WIDE_STACK, WIDE_EXPERT, WIDE_ROW = "model.layers.1.mlp.experts.gate_up_proj", 2, 5
+WIDE = "layers.1.moe.experts.2.up.weight"
 
 
 def write(path, state, cfg):
@@ -96,6 +105,8 @@ def mxfp4(tmp_path_factory):
             e, k, n = t.shape
             blocks = torch.randint(0, 256, (e, n, k // 32, 16), dtype=torch.uint8, generator=gen)
             scales = torch.randint(118, 130, (e, n, k // 32), dtype=torch.uint8, generator=gen)
+            if key == WIDE_STACK:  # 2^(103 − 128) is below float16: this row's matrix stays widened
+                scales[WIDE_EXPERT, WIDE_ROW, 0] = 103
             packed |= {f"{key}_blocks": blocks, f"{key}_scales": scales}
             plain[key] = mxfp4_oracle(blocks, scales, dtype=torch.bfloat16)
         else:
@@ -105,25 +116,88 @@ def mxfp4(tmp_path_factory):
     return write(root / "mxfp4", packed, {**config, "quantization_config": quant}), write(root / "plain", plain, config)
 
 
-def test_mxfp4_reads_transformers_values(mxfp4):
+def test_mxfp4_experts_are_packed_and_every_weight_is_transformers_value(mxfp4):
     ours, truth = npumoe.load(mxfp4[0], dtype="float32"), npumoe.load(mxfp4[1], dtype="float32")
-    assert ours.weights.source("layers.1.moe.experts.2.down.weight").dtype == torch.bfloat16  # exact in bf16
-    assert_same_weights(ours, truth)
+    packed = ours.weights.packed
+    assert set(packed.candidates) == set(quantized_names(ours.spec)) and WIDE not in packed
+    assert set(packed) == set(packed.candidates) - {WIDE} and packed.formats == [(5, 32)]
+    assert ours.weights.source(WIDE).dtype == torch.bfloat16  # the widened path, exact in bf16
+    for name in packed:  # the packed codes, through the numpy spec and through the kernels
+        assert torch.equal(torch.from_numpy(spec.dequantize(layout.from_tiles(packed[name].tiled()))),
+                           truth.weights[name]), name
+    assert_same_weights(ours, truth)  # packed ones via the kernels' dequantisation, the rest as read
+
+
+def test_mxfp4_widened_path_gives_the_same_logits(mxfp4):
+    ours, truth = npumoe.load(mxfp4[0], dtype="float32"), npumoe.load(mxfp4[1], dtype="float32")
+    ours.weights.packed = {}  # every expert through its widened source, as before packing existed
     ids = np.arange(3, 14)
     # (equal weights; the GEMMs may still round differently by the weights' memory alignment)
     np.testing.assert_allclose(npumoe.Engine(ours, chunk=8).forward(ids), npumoe.Engine(truth, chunk=8).forward(ids),
                                rtol=0, atol=1e-5)
 
 
-def test_mxfp4_widens_only_the_expert_asked_for(mxfp4, monkeypatch):
+def test_mxfp4_packed_experts_run_like_transformers(mxfp4):
+    """Packed experts through npumoe::lut_linear (int8 activation tables for a few rows, the exact
+    LUT-dequant GEMM from 13 rows at 5 bits) against transformers on the same dequantised weights."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(mxfp4[1], attn_implementation="eager",
+                                                           dtype=torch.float32).eval()
+    ids = np.random.default_rng(0).integers(0, 64, 40)
+    with torch.no_grad():
+        truth = hf(torch.tensor(ids)[None]).logits[0].numpy()
+    for chunk in (4, 40):  # decode-sized chunks: GEMV rows; one prefill chunk: GEMM for the busy experts
+        ours = npumoe.Engine(npumoe.load(mxfp4[0], dtype="float32"), chunk=chunk).forward(ids)
+        assert float(np.mean((ours - truth) ** 2) / np.mean(truth**2)) <= 2e-3, chunk
+        assert (ours.argmax(-1) == truth.argmax(-1)).mean() >= 0.9, chunk
+
+
+def test_mxfp4_codes_map_exactly_and_scales_outside_fp16_are_refused():
+    """Every E2M1 code and the fp16 power-of-two range's ends (2^-24, 2^15) against transformers'
+    dequantisation; a scale one past either end has no exact 5-bit form."""
+    blocks = torch.arange(256, dtype=torch.uint8).reshape(1, 1, 16, 16).repeat(1, 40, 1, 1)  # all pairs
+    scales = torch.arange(104, 144, dtype=torch.uint8).reshape(1, 40, 1).repeat(1, 1, 16)
+    packed = mx.from_mxfp4(blocks[0].numpy(), scales[0].numpy())
+    assert packed.meta.bits == 5 and packed.meta.symmetric and packed.meta.group == 32
+    truth = mxfp4_oracle(blocks, scales, dtype=torch.float32)[0].T  # [out, in]
+    assert torch.equal(torch.from_numpy(spec.dequantize(packed)), truth)
+    for outside in (103, 144):
+        scales[0, 7, 3] = outside
+        assert not mx.exact_in_fp16(scales[0].numpy())
+        with pytest.raises(WeightError, match="outside float16"):
+            mx.from_mxfp4(blocks[0].numpy(), scales[0].numpy())
+
+
+def test_mxfp4_reads_only_the_expert_asked_for(mxfp4, monkeypatch):
     from npumoe.models import stored_formats
 
-    widened = []
-    original = stored_formats.mxfp4_dequantize
-    monkeypatch.setattr(stored_formats, "mxfp4_dequantize",
-                        lambda b, s: widened.append(b.shape[0]) or original(b, s))
-    npumoe.load(mxfp4[0]).weights["layers.0.moe.experts.3.up.weight"]
-    assert widened == [1]
+    widened, packed = [], []
+    original, pack = stored_formats.mxfp4_dequantize, mx.from_mxfp4
+    monkeypatch.setattr(stored_formats, "mxfp4_dequantize", lambda b, s: widened.append(b.shape[0]) or original(b, s))
+    monkeypatch.setattr(mx, "from_mxfp4", lambda b, s: packed.append(b.shape) or pack(b, s))
+    weights = npumoe.load(mxfp4[0]).weights
+    assert not packed and not widened  # nothing converted at load
+    weights["layers.0.moe.experts.3.up.weight"]
+    assert widened == [] and packed == [(32, 2, 16)]  # the up rows of one expert's gate_up, 64 inputs
+    weights[WIDE]
+    assert widened == [1]  # the kept-widened matrix: its expert alone
+
+
+def test_an_mxfp4_layout_other_than_whole_rows_is_refused(tmp_path):
+    from npumoe.errors import UnsupportedModelError
+    from npumoe.luts.mxfp4_checkpoint import stacked_rows
+
+    class ColumnsAdapter:  # takes the stack untransposed: each matrix a column of the row numbers
+        def canonical(self, key, t):
+            yield "layers.0.moe.experts.0.down.weight", t[0]
+
+    with pytest.raises(UnsupportedModelError, match="other than whole output rows of one expert"):
+        list(stacked_rows(ColumnsAdapter(), "stack", 2, 8, tmp_path))
+
+
+def test_inspect_counts_the_packed_and_the_widened_experts(mxfp4, capsys):
+    main(["inspect", str(mxfp4[0])])
+    assert ("23 of 24 routed-expert matrices packed for the LUT kernels (5-bit group 32; from MXFP4 codes); 1 kept "
+            "widened because their scales are outside fp16") in " ".join(capsys.readouterr().out.split())
 
 
 def test_mxfp4_blocks_and_scales_that_disagree(mxfp4, tmp_path, capsys):

@@ -11,11 +11,10 @@ inside its directory: a manifest is input, and one edited to say ``../../etc/pas
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
-from npumoe.core.io import atomic_write_text, read_json_artifact
+from npumoe.core.io import atomic_write_text, read_json_artifact, sha256_file
 from npumoe.core.outputs import OutputKind, claim, json_kind, staged_directory
 from npumoe.core.ir import Graph
 from npumoe.core.program import build_program
@@ -25,14 +24,6 @@ MANIFEST = "manifest.json"
 KIND = "npumoe.Artifacts"
 ARTIFACTS = OutputKind("an npumoe artifact directory", directory=True,
                        recognise=lambda path: json_kind(KIND)(path / MANIFEST))
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def io_description(graph: Graph) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -25,6 +26,15 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MB blocks (artifacts and cached binaries are checked by it)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

@@ -2,6 +2,10 @@
 
 A cache must never hold a half-written binary (a crash mid-compile would poison every later
 run), so every compiler writes to a temporary name beside its target and is renamed into place.
+Renaming does not protect against later damage (a full disk, a copied or truncated cache): a
+truncated shared library kills the process with SIGBUS when it is loaded, before any message. So
+each build records its size and sha256 in a sidecar file, and :func:`cached_build` checks them
+before a cached binary is handed to dlopen or import, compiling again on any mismatch.
 """
 
 from __future__ import annotations
@@ -11,7 +15,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from npumoe.core.io import atomic_write_text, sha256_file
 from npumoe.errors import BackendUnavailableError
+
+SIDECAR = ".sha256"  # "<size> <sha256>" of the binary beside it, written when it was built
 
 
 def cache_dir(name: str) -> Path:
@@ -40,8 +47,28 @@ def compile_atomically(cmd: list[str], out: Path, what: str) -> Path:
         if result.returncode:
             raise BackendUnavailableError(f"compiling {what} failed ({' '.join(cmd)}):\n{result.stderr.strip()}")
         os.chmod(tmp, 0o755)
+        atomic_write_text(_sidecar(out), f"{os.path.getsize(tmp)} {sha256_file(Path(tmp))}\n")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def cached_build(cmd: list[str], out: Path, what: str) -> Path:
+    """``out`` if it holds exactly the bytes recorded when it was built, else compiled (again) with ``cmd``."""
+    return out if verified(out) else compile_atomically(cmd, out, what)
+
+
+def verified(path: Path) -> bool:
+    """Whether ``path`` matches its sidecar's size and sha256 (the size first: a truncated file fails unread).
+    A binary without a sidecar (built before sidecars, or its build was interrupted) does not verify."""
+    try:
+        size, digest = _sidecar(path).read_text().split()
+        return path.stat().st_size == int(size) and sha256_file(path) == digest
+    except (OSError, ValueError):
+        return False
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + SIDECAR)

@@ -5,7 +5,9 @@ with the system C compiler (``$CC``, else cc, gcc or clang) into the user cache
 (``$NPUMOE_CACHE_DIR``, else ``$XDG_CACHE_HOME/npumoe``, else ``~/.cache/npumoe``). The
 file name carries a hash of the sources, flags and compiler version, so an upgrade or a
 different compiler builds afresh, and the library is written under a temporary name and
-renamed, so concurrent first uses never load a half-written file. The optional CPython call
+renamed, so concurrent first uses never load a half-written file; a cached library whose size or
+sha256 no longer matches what was built (a truncated cache) is compiled again rather than loaded
+(:func:`npumoe.core.native.cached_build`). The optional CPython call
 module (``csrc/pycall.c``) is built the same way, against this Python's headers.
 """
 
@@ -23,7 +25,7 @@ import sysconfig
 from pathlib import Path
 
 from npumoe.core.native import cache_dir as native_cache_dir
-from npumoe.core.native import compile_atomically
+from npumoe.core.native import cached_build
 from npumoe.errors import BackendUnavailableError
 
 CSRC = Path(__file__).parent / "csrc"
@@ -77,9 +79,7 @@ def _key(cc, sources, flags) -> str:
 
 
 def _compile(cc, sources, flags, out: Path) -> Path:
-    if out.exists():
-        return out
-    return compile_atomically([*cc, *flags, *map(str, sources), "-lm"], out, "the LUT kernels")
+    return cached_build([*cc, *flags, *map(str, sources), "-lm"], out, "the LUT kernels")
 
 
 def library(isa: str) -> Path:

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from npumoe.backends.qualcomm_htp.qnn import ort_qnn
-from npumoe.core.native import cache_dir, compile_atomically
+from npumoe.core.native import cache_dir, compile_atomically, verified
 from npumoe.errors import BackendUnavailableError
 
 SOURCE = Path(__file__).with_name("qnn_shim.c")
@@ -73,7 +73,7 @@ def qnn_sdk_root() -> Path:
         )
     digest = hashlib.sha256(SOURCE.read_bytes() + str(real_dir).encode()).hexdigest()[:16]
     sdk = cache_dir("qnn_shim") / digest
-    if not (sdk / LIB_SUBDIR / "libQnnHtp.so").exists():
+    if not verified(sdk / LIB_SUBDIR / "libQnnHtp.so"):  # a damaged shim is rebuilt, never loaded
         _build(sdk, real_dir)
     os.environ["QNN_SDK_ROOT"] = str(sdk)
     os.environ["QNN_SHIM_REAL_HTP"] = str(real_dir / "libQnnHtp.so")

@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 
 from npumoe.errors import BackendUnavailableError
-from npumoe.core.native import compile_atomically
+from npumoe.core.native import cached_build
 from npumoe.luts.build import cache_dir
 
 SOURCE_DIR = Path(__file__).parent
@@ -44,6 +44,4 @@ def harness() -> Path:
     if not shutil.which(CLANG):
         raise BackendUnavailableError(f"{CLANG} is not installed; apt-get install clang-16 lld-16.")
     out = cache_dir() / f"hvx-harness-{_key()}"
-    if out.exists():
-        return out
-    return compile_atomically([CLANG, *FLAGS, *(str(SOURCE_DIR / name) for name in SOURCES)], out, "the HVX harness")
+    return cached_build([CLANG, *FLAGS, *(str(SOURCE_DIR / name) for name in SOURCES)], out, "the HVX harness")

@@ -61,7 +61,8 @@ def claim(path: str | Path, kind: OutputKind, option: str = "--out") -> Path:
 def _refuse_foreign(path: Path, kind: OutputKind, option: str) -> None:
     """Only an empty directory or an earlier output of the same kind may be replaced."""
     if kind.directory and path.exists() and not path.is_dir():
-        raise InputError(f"{option} {path} is a file; give a directory for {kind.name}.")
+        raise InputError(f"{option} {path} is a file, and npumoe will not replace it with {kind.name}; give a "
+                         "directory path.")
     if not kind.directory and path.is_dir():
         raise InputError(f"{option} {path} is a directory; give a file path for {kind.name}.")
     empty_dir = path.is_dir() and not any(path.iterdir())

@@ -45,7 +45,7 @@ def test_build_keeps_a_directory_of_the_users_files(plan_path, tmp_path, capsys)
 def test_build_keeps_a_file(plan_path, tmp_path, capsys):
     out = tmp_path / "report.txt"
     out.write_text("mine")
-    assert f"--out {out} is a file; give a directory" in cli_error(
+    assert f"--out {out} is a file, and npumoe will not replace it with an npumoe artifact directory" in cli_error(
         capsys, "build", "--plan", plan_path, "--target", "htp", "--out", str(out))
     assert out.read_text() == "mine"
 

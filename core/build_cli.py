@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 from rich.console import Console
 from rich.table import Table
@@ -44,7 +46,7 @@ def build_command(model_dir, dtype, plan_path, target, out, max_context, via, pr
                       "cached" if g["cached"] else f"{g['seconds']:.1f}", ", ".join(g.get("files", [])))
     Console().print(table)
     cached = sum(g["cached"] for g in manifest["graphs"].values())
-    total = sum(g["bytes"] for g in manifest["graphs"].values())
+    total = sum((Path(out) / rel).stat().st_size for rel in manifest["files"])  # graphs may share a package
     click.echo(f"wrote {out}: {len(manifest['graphs'])} graphs ({cached} from the build cache), "
                f"{len(manifest['files'])} files, {total / 1e6:.1f} MB, manifest.json")
 

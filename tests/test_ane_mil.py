@@ -12,7 +12,7 @@ from hf_compare import build_checkpoint, transformers
 from npumoe.backends.apple_ane import ANE_CAPS, AneBackend, rules
 from npumoe.backends.apple_ane.layout import LOWER
 from npumoe.backends.apple_ane.mil_exec import blockwise_shift_scale, lut_to_dense
-from npumoe.backends.apple_ane.mlpackage import BlobFile, Package
+from npumoe.backends.apple_ane.mlpackage import SPEC_PATH, BlobFile, Package
 from npumoe.backends.apple_ane.passes import SLICED_Q_MIN_SEQ, SLICED_Q_SLICE
 from npumoe.backends.cpu.executor import TorchGraphExecutor
 from npumoe.core.graphs import attention_graph
@@ -118,3 +118,66 @@ def test_long_chunks_use_sliced_q_attention_and_match_the_reference(small, tmp_p
         assert float((got[name][rows] - want[name][rows]).norm() / want[name][rows].norm()) < 3e-3, name
     written = run.runtime.states["k_cache"][0, 0, start:start + seq, :16]  # this chunk's keys, at `position`
     np.testing.assert_allclose(written, want["k_new"][0].numpy(), rtol=0, atol=2e-2)
+
+
+def test_a_wide_lm_head_is_split_into_convs_and_matches_the_reference(small, tmp_path, monkeypatch):
+    from npumoe.backends.apple_ane import layout
+    from npumoe.core.graphs import lm_head_graph
+
+    monkeypatch.setattr(layout, "CONV_ROWS", 48)  # the demo vocab in 48-row kernels plus a remainder
+    graph = lm_head_graph(small.spec, 8)
+    artifact = AneBackend().lower(graph, small.weights, tmp_path)
+    ops = [op.type for op in Package(tmp_path / artifact["package"]).operations(artifact["function"])]
+    assert ops.count("conv") == -(-small.spec.vocab_size // 48) and "concat" in ops
+    x = {"x": torch.randn(graph.inputs["x"].shape)}
+    got = AneBackend().load(artifact, tmp_path, graph, small.weights)(x)["logits"]
+    want = TorchGraphExecutor(graph, small.weights)(x)["logits"]
+    assert float((got - want).norm() / want.norm()) < 3e-3
+
+
+def test_merged_multifunction_package_is_what_coremltools_writes(tmp_path):
+    """Our streaming merge against coremltools' save_multifunction: the same spec (blob offsets aside),
+    the same value behind every blob reference, and a shared weight stored once."""
+    import coremltools as ct
+    from coremltools.models.utils import MultiFunctionDescriptor, save_multifunction
+
+    from npumoe.backends.apple_ane.mlpackage import blob_values
+    from npumoe.backends.apple_ane.multifunction import merge
+
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)).half().eval()
+    singles = {}
+    for name, rows in (("prefill", 4), ("decode", 1)):
+        traced = torch.jit.trace(layer, torch.zeros(rows, 64, dtype=torch.float16))
+        mlmodel = ct.convert(traced, inputs=[ct.TensorType(name="x", shape=(rows, 64), dtype=np.float16)],
+                             outputs=[ct.TensorType(name="y", dtype=np.float16)], convert_to="mlprogram",
+                             minimum_deployment_target=ct.target.iOS18, skip_model_load=True)
+        singles[name] = tmp_path / f"{name}.mlpackage"
+        mlmodel.save(str(singles[name]))
+    desc = MultiFunctionDescriptor()
+    for name, path in singles.items():
+        desc.add_function(str(path), src_function_name="main", target_function_name=name)
+    desc.default_function_name = "prefill"
+    save_multifunction(desc, str(tmp_path / "theirs.mlpackage"))
+    merge(singles, tmp_path / "ours.mlpackage")
+
+    def contents(path):
+        package = Package(path)
+        values = {(f, op.outputs[0].name): package.value(v).copy()
+                  for f in package.functions for op in package.operations(f) for v in blob_values(op)}
+        spec = type(package.spec)()
+        spec.CopyFrom(package.spec)
+        for function in spec.mlProgram.functions.values():
+            for op in function.block_specializations[function.opset].operations:
+                for v in blob_values(op):
+                    v.blobFileValue.offset = 0
+        blob_bytes = (path / SPEC_PATH.parent / "weights" / "weight.bin").stat().st_size
+        return spec, values, blob_bytes
+
+    (ours, our_values, our_bytes), (theirs, their_values, their_bytes) = map(
+        contents, (tmp_path / "ours.mlpackage", tmp_path / "theirs.mlpackage"))
+    assert ours == theirs
+    assert our_values.keys() == their_values.keys()
+    assert all(np.array_equal(our_values[k], their_values[k]) for k in our_values)
+    assert our_bytes == their_bytes < 2 * sum(p.numel() * 2 for p in layer.parameters())  # stored once
+    ct.models.MLModel(str(tmp_path / "ours.mlpackage"), skip_model_load=True, function_name="decode")

@@ -77,48 +77,58 @@ class AneBackend(BackendBase):
         return entries
 
     def _build_package(self, pkg: PackagePlan, weights, out_dir: Path, bar, task) -> dict[str, dict]:
-        from npumoe.backends.apple_ane.layout import AneGraphModule
-
-        modules = {function_name(g): AneGraphModule(g, weights, pkg.kv) for g in pkg.graphs}
         precision = precision_for(pkg.kind, self.precision)
         if self.via == "executorch":
-            from npumoe.backends.apple_ane.pte import save_pte
-
             rel, fmt = Path(PACKAGE_DIR) / f"{pkg.name}.pte", "pte"
-            bar.update(task, description=f"{self.name} (executorch): {pkg.name}")
-            save_pte(modules, out_dir / rel, precision)
-            bar.advance(task, len(modules))
+            entries = self._save_pte(pkg, weights, out_dir / rel, precision, bar, task)
         else:
             rel, fmt = Path(PACKAGE_DIR) / f"{pkg.name}.mlpackage", "mlprogram"
-            self._save_mlpackage(modules, out_dir / rel, precision, bar, task)
+            entries = self._save_mlpackage(pkg, weights, out_dir / rel, precision, bar, task)
         record = {
             "path": str(rel),
-            "functions": list(modules),
+            "functions": [function_name(g) for g in pkg.graphs],
             "states": pkg.kv.to_json() if pkg.kv else None,
             "precision": precision,
             "bytes": sum(p.stat().st_size for p in [out_dir / rel, *(out_dir / rel).rglob("*")] if p.is_file()),
         }
-        return {g.name: {**self._entry(g, modules[function_name(g)], pkg, str(rel), fmt, precision),
+        return {g.name: {**entries[g.name], "format": fmt, "package": str(rel), "files": [str(rel)],
                          "package_record": record} for g in pkg.graphs}
 
-    def _save_mlpackage(self, modules: dict, path: Path, precision: str, bar, task) -> None:
+    def _save_mlpackage(self, pkg: PackagePlan, weights, path: Path, precision: str, bar, task) -> dict[str, dict]:
+        """Each graph is traced, converted and saved on its own, then the functions are merged:
+        one graph's weights in memory at a time, however many share the package."""
         from npumoe.backends.apple_ane import lint
-        from npumoe.backends.apple_ane.convert import convert_graph, save_package
+        from npumoe.backends.apple_ane.convert import PackageWriter, convert_graph
+        from npumoe.backends.apple_ane.layout import AneGraphModule
 
-        functions = {}
-        for name, module in modules.items():
-            bar.update(task, description=f"{self.name}: {module.graph.name}")
-            functions[name] = convert_graph(module, precision)
-            bar.advance(task)
-        save_package(functions, path)
+        entries = {}
+        with PackageWriter(path) as writer:
+            for g in pkg.graphs:
+                bar.update(task, description=f"{self.name}: {g.name}")
+                module = AneGraphModule(g, weights, pkg.kv)
+                entries[g.name] = self._entry(g, module, pkg, precision)
+                writer.add(function_name(g), convert_graph(module, precision))
+                del module
+                bar.advance(task)
         lint.check(path)
+        return entries
 
-    def _entry(self, graph, module, pkg: PackagePlan, rel: str, fmt: str, precision: str) -> dict:
+    def _save_pte(self, pkg: PackagePlan, weights, path: Path, precision: str, bar, task) -> dict[str, dict]:
+        """ExecuTorch lowers a package's methods together, so its modules are all held at once."""
+        import torch
+
+        from npumoe.backends.apple_ane.layout import AneGraphModule
+        from npumoe.backends.apple_ane.pte import save_pte
+
+        modules = {function_name(g): AneGraphModule(g, weights, pkg.kv, dtype=torch.float32) for g in pkg.graphs}
+        bar.update(task, description=f"{self.name} (executorch): {pkg.name}")
+        save_pte(modules, path, precision)
+        bar.advance(task, len(modules))
+        return {g.name: self._entry(g, modules[function_name(g)], pkg, precision) for g in pkg.graphs}
+
+    def _entry(self, graph, module, pkg: PackagePlan, precision: str) -> dict:
         shapes = module.input_shapes()
         return {
-            "format": fmt,
-            "package": rel,
-            "files": [rel],
             "function": function_name(graph),
             "function_inputs": {n: {"shape": list(shapes[n]), "layout": layout,
                                     "dtype": "int32" if n == POSITION_INPUT else "float16"}

@@ -1,5 +1,5 @@
 """Core ML conversion: a traced ANE-layout module → an fp16 ML program (iOS18 / macOS15 opset),
-and a set of those → one multifunction package whose functions share their weights.
+and a set of those → one multifunction package whose functions share their weights (:mod:`.multifunction`).
 
 Two traps this avoids: tracing with fp16 states needs a half model (coremltools only
 takes fp16 states), and shapes read from tensors while tracing become dynamic ``int`` ops
@@ -14,9 +14,8 @@ from pathlib import Path
 import coremltools as ct
 import numpy as np
 import torch
-from coremltools.models.utils import MultiFunctionDescriptor, save_multifunction
 
-from npumoe.backends.apple_ane import passes
+from npumoe.backends.apple_ane import multifunction, passes
 from npumoe.backends.apple_ane.compress import compress
 from npumoe.backends.apple_ane.layout import AneGraphModule
 from npumoe.backends.apple_ane.rules import POSITION_INPUT
@@ -53,14 +52,28 @@ def convert_graph(module: AneGraphModule, precision: str) -> ct.models.MLModel:
     return compress(mlmodel, precision)
 
 
-def save_package(functions: dict[str, ct.models.MLModel], path: Path) -> None:
-    """One ``.mlpackage`` holding every function; identical weights are stored once."""
-    with tempfile.TemporaryDirectory(prefix="npumoe-ane-") as scratch:
-        desc = MultiFunctionDescriptor()
-        for name, mlmodel in functions.items():
-            single = str(Path(scratch) / f"{name}.mlpackage")
-            mlmodel.save(single)
-            desc.add_function(single, src_function_name="main", target_function_name=name)
-        desc.default_function_name = next(iter(functions))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_multifunction(desc, str(path))
+class PackageWriter:
+    """One ``.mlpackage`` holding several functions, written as they come: each converted function is
+    saved to a scratch package at once (and can then be dropped), and the package is assembled on exit.
+    Identical weights in two functions are stored once."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.functions: dict[str, Path] = {}  # function name → its scratch package
+
+    def __enter__(self) -> PackageWriter:
+        self._scratch = tempfile.TemporaryDirectory(prefix="npumoe-ane-")
+        return self
+
+    def add(self, name: str, mlmodel: ct.models.MLModel) -> None:
+        single = Path(self._scratch.name) / f"{name}.mlpackage"
+        mlmodel.save(str(single))
+        self.functions[name] = single
+
+    def __exit__(self, kind, value, tb) -> None:
+        try:
+            if kind is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                multifunction.merge(self.functions, self.path)
+        finally:
+            self._scratch.cleanup()

@@ -26,6 +26,10 @@ from npumoe.backends.apple_ane.rules import POSITION_INPUT
 from npumoe.backends.cpu.executor import value_shapes
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op
 
+# Output channels per 1×1 conv: a wider linear (an LM head) becomes several convs and a concat.
+# coremltools' fp16 overflow check takes ~40 bytes per weight of one const, so a 50k-row LM head
+# held 4 GB more while converting; at 8192 rows it holds ~0.7 GB.
+CONV_ROWS = 8192
 HOST_TABLES = frozenset({"cos", "sin", "mask"})  # 2-D inputs the host builds; every other 2-D I/O is [S, C]
 NEW_KV = {"k_cache": "k_new", "v_cache": "v_new"}
 
@@ -52,26 +56,36 @@ def from_ane(x: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
 class AneGraphModule(torch.nn.Module):
     """One IR graph as a traceable module: ``forward(*inputs)`` in :meth:`input_names` order."""
 
-    def __init__(self, graph: Graph, weights: Mapping[str, torch.Tensor], kv: KVState | None = None):
+    def __init__(self, graph: Graph, weights: Mapping[str, torch.Tensor], kv: KVState | None = None,
+                 dtype: torch.dtype = torch.float16):
+        """``dtype``: what weights and states are held in: Core ML traces fp16, so building in fp16
+        (not fp32, then ``.half()``) keeps one layer's experts at their fp16 size while converting."""
         super().__init__()
+        self.dtype = dtype
         self.graph, self.kv = graph, kv
         self.shapes = value_shapes(graph, weights)
-        self._weight_attr: dict[tuple[str, bool], str] = {}
+        self._weight_attr: dict[str, str] = {}
+        self._conv_attrs: dict[str, list[str]] = {}
         for op in graph.ops:
             for i, name in enumerate(op.inputs):
                 if name.startswith(WEIGHT_PREFIX):
                     self._register(name[len(WEIGHT_PREFIX):], weights, as_conv=op.op == "linear" and i == 1)
         if kv is not None:
             for name, shape in kv.shapes.items():
-                self.register_buffer(name, torch.zeros(shape))
+                self.register_buffer(name, torch.zeros(shape, dtype=dtype))
 
     def _register(self, name: str, weights, as_conv: bool) -> None:
-        w = weights[name].detach().float()
-        if as_conv:
-            w = w[:, :, None, None]  # [out, in] → 1×1 conv kernel
-        attr = name.replace(".", "_") + ("_conv" if as_conv else "")
-        self.register_buffer(attr, w.clone())
-        self._weight_attr[(name, as_conv)] = attr
+        w = weights[name].detach().to(self.dtype, copy=True)  # a copy: never a view of the mapped checkpoint
+        attr = name.replace(".", "_")
+        if not as_conv:
+            self.register_buffer(attr, w)
+            self._weight_attr[name] = attr
+            return
+        kernels = []
+        for k, rows in enumerate(w.split(CONV_ROWS)):  # [out, in] → 1×1 conv kernels of ≤ CONV_ROWS outputs
+            self.register_buffer(f"{attr}_conv{k}", rows[:, :, None, None].clone())
+            kernels.append(f"{attr}_conv{k}")
+        self._conv_attrs[name] = kernels
 
     @property
     def stateful(self) -> bool:
@@ -131,8 +145,15 @@ class AneGraphModule(torch.nn.Module):
             getattr(self, state)[slot:slot + 1, :heads, p:p + seq, :dim] = self.logical(env[new], new)[None]
 
     # -- helpers the lowerings share ---------------------------------------------------------------
-    def weight(self, name: str, as_conv: bool = False) -> torch.Tensor:
-        return getattr(self, self._weight_attr[(name, as_conv)])
+    def weight(self, name: str) -> torch.Tensor:
+        return getattr(self, self._weight_attr[name])
+
+    def conv(self, x: torch.Tensor, name: str, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x`` [1, C, 1, S] through the linear ``name`` as 1×1 convs of ≤ CONV_ROWS outputs each."""
+        kernels = [getattr(self, attr) for attr in self._conv_attrs[name]]
+        biases = bias.split(CONV_ROWS) if bias is not None else [None] * len(kernels)
+        parts = [F.conv2d(x, w, b) for w, b in zip(kernels, biases)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def logical(self, v: Val, name: str) -> torch.Tensor:
         return from_ane(v.t, self.shapes[name]) if v.act else v.t
@@ -174,12 +195,12 @@ def _linear(m: AneGraphModule, op: Op, args, **_) -> Val:
     name, v = x
     shape = m.shapes[name]
     if len(shape) == 2:
-        return Val(F.conv2d(m.as_act(x), m.weight(w, as_conv=True), bias), True)
+        return Val(m.conv(m.as_act(x), w, bias), True)
     rows = 1
     for d in shape[:-1]:
         rows *= d
     flat = (rows, shape[-1])
-    y = F.conv2d(to_ane(m.as_ir(x).reshape(flat), flat), m.weight(w, as_conv=True), bias)
+    y = m.conv(to_ane(m.as_ir(x).reshape(flat), flat), w, bias)
     return Val(from_ane(y, (rows, m.shapes[op.outputs[0]][-1])).reshape(m.shapes[op.outputs[0]]), False)
 
 

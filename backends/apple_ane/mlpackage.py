@@ -72,6 +72,17 @@ def unpack_bits(raw: np.ndarray, bits: int, count: int, signed: bool) -> np.ndar
     return values.astype(np.int8 if signed else np.uint8)
 
 
+def blob_values(op):
+    """The MIL Values of an operation (and of the blocks nested in it) stored in a weight blob:
+    a const's value and any value bound directly to an input."""
+    values = [op.attributes["val"]] if op.type == "const" else [
+        b.value for arg in op.inputs.values() for b in arg.arguments if b.WhichOneof("binding") == "value"]
+    yield from (v for v in values if v.WhichOneof("value") == "blobFileValue")
+    for block in op.blocks:
+        for inner in block.operations:
+            yield from blob_values(inner)
+
+
 class BlobFile:
     """One ``weight.bin``: typed arrays by the offsets the spec's ``blobFileValue`` records name."""
 
@@ -152,7 +163,7 @@ class Package:
         spec = tensor_spec(v.type)
         kind = v.WhichOneof("value")
         if kind == "blobFileValue":
-            return self._blob(v.blobFileValue.fileName).read(v.blobFileValue.offset, spec.dtype, spec.shape)
+            return self.blob_file(v.blobFileValue.fileName).read(v.blobFileValue.offset, spec.dtype, spec.shape)
         tensor = v.immediateValue.tensor
         field = tensor.WhichOneof("value")
         if spec.dtype == "STRING":
@@ -167,7 +178,7 @@ class Package:
         values = getattr(tensor, field).values if field else []
         return np.asarray(values, dtype=NUMPY[spec.dtype]).reshape(spec.shape)
 
-    def _blob(self, file_name: str) -> BlobFile:
+    def blob_file(self, file_name: str) -> BlobFile:
         if file_name not in self._blobs:
             rel = file_name.removeprefix("@model_path/")
             self._blobs[file_name] = BlobFile(self.path / SPEC_PATH.parent / rel)
@@ -177,12 +188,9 @@ class Package:
         """Bytes of the weights one function reads, as stored (compressed, if it is)."""
         total = 0
         for op in self.operations(name):
-            values = [op.attributes["val"]] if op.type == "const" else [
-                b.value for arg in op.inputs.values() for b in arg.arguments if b.WhichOneof("binding") == "value"]
-            for v in values:
-                if v.WhichOneof("value") == "blobFileValue":
-                    blob = self._blob(v.blobFileValue.fileName)
-                    total += struct.unpack_from("<Q", blob.data, v.blobFileValue.offset + 8)[0]
+            for v in blob_values(op):
+                blob = self.blob_file(v.blobFileValue.fileName)
+                total += struct.unpack_from("<Q", blob.data, v.blobFileValue.offset + 8)[0]
         return total
 
     @property

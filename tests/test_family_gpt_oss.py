@@ -48,3 +48,13 @@ def test_unknown_layer_type_is_refused():
     cfg = {**BASE, "layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}
     with pytest.raises(UnsupportedModelError, match="'chunked_attention' is not supported"):
         GptOssAdapter().spec(cfg)
+
+
+def test_cpu_attention_reads_the_cache_in_buckets_and_still_matches(tmp_path, monkeypatch):
+    """The CPU path attends over the filled cache slots rounded up to a bucket (not the whole window):
+    with 8-slot buckets a 13-token prompt and 16 new tokens cross four of them, sliding windows included."""
+    from npumoe.core.runtime import engine
+
+    monkeypatch.setattr(engine, "CACHE_BUCKET", 8)
+    hf = build_checkpoint(transformers.GptOssConfig(**BASE), tmp_path)
+    assert_matches(tmp_path, hf)

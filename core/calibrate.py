@@ -168,7 +168,7 @@ def calibrate(model, texts, chunk: int = 256, window: int = 2048, progress: bool
 
         iterator = track(windows, description=f"calibrating ({len(windows)} windows, chunk {chunk})")
     for piece in iterator:
-        engine.forward(np.asarray(piece[: len(piece) // chunk * chunk]))
+        engine.route(np.asarray(piece[: len(piece) // chunk * chunk]))
     return RoutingProfile(
         model=spec.fingerprint(),
         model_name=model.name,

@@ -43,6 +43,23 @@ def test_profile_counts_every_routed_token(model, profile):
         assert list(profile.popularity(i)) == list(np.argsort(-loads.sum(0), kind="stable"))
 
 
+def test_calibration_routes_without_the_lm_head_and_sees_what_a_full_forward_routes(model, monkeypatch):
+    from npumoe.core.calibrate import LoadRecorder
+    from npumoe.core.runtime.engine import Engine
+
+    ids = np.random.default_rng(1).integers(32, 127, 96)
+    full, routed = LoadRecorder(model.spec), LoadRecorder(model.spec)
+    Engine(model, chunk=32, on_route=full).forward(ids)
+    engine = Engine(model, chunk=32, on_route=routed)
+    heads = []
+    run = engine._run
+    monkeypatch.setattr(engine, "_run", lambda name, inputs: heads.append(name) or run(name, inputs))
+    engine.route(ids)
+    assert not any(name.startswith("lm_head") for name in heads)
+    for i in model.spec.moe_layers:
+        np.testing.assert_array_equal(routed.matrix(i), full.matrix(i))
+
+
 def test_profile_round_trips_and_overlap(model, profile, tmp_path):
     path = profile.save(tmp_path / "p.json")
     again = RoutingProfile.load(path)

@@ -108,6 +108,13 @@ class Engine:
         self.cache.reset()
         return self._prefill(ids).numpy()
 
+    def route(self, ids) -> None:
+        """Prefill a fresh sequence only for what it routes (``on_route`` sees every layer), without the
+        LM head: calibration needs no logits, which for a 2048-token window of a 152k vocabulary are
+        1.2 GB."""
+        self.cache.reset()
+        self._prefill(self._check_ids(ids), keep="none")
+
     def generate(self, ids, max_new_tokens: int = 32, return_logits: bool = False):
         """Greedy decoding from ``ids``; returns only the new tokens, stopping after an EOS.
 
@@ -121,7 +128,7 @@ class Engine:
         self._check_rope_range(len(ids) + max_new_tokens)
         self.cache.reset()
         with self.metrics_.time("prefill"):
-            logits = self._prefill(ids)[-1]
+            logits = self._prefill(ids, keep="last")[-1]
         new: list[int] = []
         seen: list[torch.Tensor] = []
         eos = set(self.spec.eos_token_ids)
@@ -165,14 +172,18 @@ class Engine:
                 "cached key would need re-rotating with the long factors; keep prompt plus new tokens within it."
             )
 
-    def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
+    def _prefill(self, ids: torch.Tensor, keep: str = "all") -> torch.Tensor | None:
+        """Logits of ``keep``: "all" positions, the "last" chunk's, or "none" (the LM head is skipped)."""
         chunk, rows = self.program.chunk, []
         for start in range(0, len(ids), chunk):
             piece = ids[start:start + chunk]
             valid = len(piece)
             padded = torch.cat([piece, piece.new_zeros(chunk - valid)]) if valid < chunk else piece
-            rows.append(self._step(padded, valid)[:valid])
-        return torch.cat(rows)
+            wanted = keep == "all" or (keep == "last" and start + chunk >= len(ids))
+            logits = self._step(padded, valid, lm_head=wanted)
+            if wanted:
+                rows.append(logits[:valid])
+        return torch.cat(rows) if rows else None
 
     def _run(self, name: str, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         placement = self.program.graphs[name].placement
@@ -188,8 +199,9 @@ class Engine:
             return self.cache.capacity
         return min(self.cache.capacity, -(-max(start, 1) // CACHE_BUCKET) * CACHE_BUCKET)
 
-    def _step(self, ids: torch.Tensor, valid: int) -> torch.Tensor:
-        """One static-shape pass over ``len(ids)`` positions, the first ``valid`` real."""
+    def _step(self, ids: torch.Tensor, valid: int, lm_head: bool = True) -> torch.Tensor | None:
+        """One static-shape pass over ``len(ids)`` positions, the first ``valid`` real; their logits
+        unless ``lm_head`` is off."""
         seq, start, spec, m = len(ids), self.cache.length, self.spec, self.metrics_
         with m.time("embed"):
             x = self.embedding[ids].float() * spec.embedding_scale
@@ -219,5 +231,7 @@ class Engine:
             with m.time("residual"):
                 x = h + y
         self.cache.length += valid
+        if not lm_head:
+            return None
         with m.time("lm_head"):
             return self._run(self.program.lm_head[seq], {"x": x})["logits"]

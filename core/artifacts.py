@@ -1,7 +1,7 @@
 """Built artifacts on disk: ``npumoe build`` writes them, ``Engine(backend=..., artifacts=...)`` runs them.
 
 An artifact directory holds whatever the backend wrote for each NPU-placed graph plus
-``manifest.json``: target, backend details, the model fingerprint, the plan, every graph's
+``manifest.json``: target, backend details, the model and weights fingerprints, the plan, every graph's
 inputs and outputs, and the sha256 of every file. Building happens in a temporary
 sibling directory that replaces the destination only when complete, so a failed or
 interrupted build never leaves a half-written artifact behind; the destination must be new or
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from npumoe.core.identity import check_weights
 from npumoe.core.io import atomic_write_text, read_json_artifact, sha256_file
 from npumoe.core.outputs import OutputKind, claim, json_kind, staged_directory
 from npumoe.core.ir import Graph
@@ -68,6 +69,7 @@ def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512,
             "target": target,
             "backend": backend.describe(),
             "model": model.spec.fingerprint(),
+            "weights": model.weights_fingerprint(),
             "model_name": model.name,
             "chunk": plan.chunk,
             "max_context": max_context,
@@ -126,14 +128,23 @@ def _check_paths_inside(out_dir: Path, names: list[str]) -> None:
                                 "was altered, rebuild with npumoe build.")
 
 
-def load_executors(backend, out_dir: str | Path, graphs: list[Graph], weights, model) -> dict:
-    """Executors for the given NPU graphs from a verified artifact directory."""
-    manifest = read_manifest(out_dir)
+def check_built_for(manifest: dict, out_dir: str | Path, model) -> None:
+    """Refuse artifacts built for another architecture or from other weights: they hold the weights compiled
+    in, so a fine-tune run on its base model's artifacts would print the base model's text. A manifest from
+    before weights were recorded is refused too, since nothing says which weights it holds."""
     if manifest["model"] != model.spec.fingerprint():
         raise ArtifactError(
             f"{out_dir} was built for {manifest.get('model_name')} (fingerprint {manifest['model']}), "
             f"not {model.name}; rebuild for this model."
         )
+    check_weights(manifest.get("weights"), model, f"the artifact directory {out_dir}", manifest.get("model_name"),
+                  f"rebuild it for {model.name} with npumoe build", required=True)
+
+
+def load_executors(backend, out_dir: str | Path, graphs: list[Graph], weights, model) -> dict:
+    """Executors for the given NPU graphs from a verified artifact directory."""
+    manifest = read_manifest(out_dir)
+    check_built_for(manifest, out_dir, model)
     missing = [g.name for g in graphs if g.name not in manifest["graphs"]]
     if missing and manifest.get("layers") is not None:
         raise ArtifactError(f"{out_dir} holds only layers {manifest['layers']} (built with --layers), not "

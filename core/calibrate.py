@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from npumoe.core.identity import check_weights
 from npumoe.core.io import atomic_write_text, read_json_artifact
 from npumoe.core.outputs import OutputKind, claim, json_kind
 from npumoe.core.spec import ModelSpec
@@ -61,6 +62,7 @@ class RoutingProfile:
     top_k: dict[int, int]
     loads: dict[int, np.ndarray]
     sources: list[str] = field(default_factory=list)
+    weights: str | None = None  # weights fingerprint (npumoe.core.identity); None in profiles made before it
 
     @property
     def layers(self) -> list[int]:
@@ -89,7 +91,8 @@ class RoutingProfile:
             "quantiles": {str(q): v.tolist() for q, v in self.quantiles(layer).items()},
         }
 
-    def check_model(self, spec: ModelSpec, what: str = "profile") -> None:
+    def check_model(self, model, what: str = "profile") -> None:
+        spec = model.spec
         expected = {i: spec.layers[i].ffn.num_experts for i in spec.moe_layers}
         got = {i: self.num_experts(i) for i in self.layers}
         if self.model != spec.fingerprint() or expected != got:
@@ -99,6 +102,7 @@ class RoutingProfile:
                 f"{len(expected)} MoE layers with {sorted(set(expected.values()))} experts (fingerprint "
                 f"{spec.fingerprint()}); calibrate this model first."
             )
+        check_weights(self.weights, model, f"this {what}", self.model_name, f"calibrate {model.name} first")
 
     # -- files --------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -108,6 +112,7 @@ class RoutingProfile:
             "model_name": self.model_name,
             "chunk": self.chunk,
             "sources": self.sources,
+            "weights": self.weights,
             "layers": {
                 str(i): {"top_k": self.top_k[i], "loads": self.loads[i].tolist(), **self.summary(i)}
                 for i in self.layers
@@ -129,6 +134,7 @@ class RoutingProfile:
             loads={i: np.asarray(v["loads"], dtype=np.int64).reshape(-1, len(v["tokens_per_expert"]))
                    for i, v in layers.items()},
             sources=list(data.get("sources", [])),
+            weights=data.get("weights"),
         )
 
 
@@ -176,4 +182,5 @@ def calibrate(model, texts, chunk: int = 256, window: int = 2048, progress: bool
         top_k={i: spec.layers[i].ffn.top_k for i in spec.moe_layers},
         loads={i: recorder.matrix(i, tokens=chunk) for i in spec.moe_layers},
         sources=list(sources or []),
+        weights=model.weights_fingerprint(),
     )

@@ -32,6 +32,7 @@ import numpy as np
 
 from npumoe.backends.base import Capabilities, capabilities
 from npumoe.core.calibrate import RoutingProfile, imbalance
+from npumoe.core.identity import check_weights
 from npumoe.core.io import atomic_write_text, read_json_artifact
 from npumoe.core.outputs import OutputKind, claim, json_kind
 from npumoe.core.program import ExpertGroup
@@ -78,6 +79,7 @@ class Plan:
     layers: dict[int, LayerPlan]
     predicted: dict = field(default_factory=dict)
     alignment: int = 1
+    weights: str | None = None  # weights fingerprint (npumoe.core.identity); None in plans made before it
 
     # -- what the program builder asks ---------------------------------------------------------
     def groups(self, layer: int, seq: int) -> list[ExpertGroup]:
@@ -104,6 +106,7 @@ class Plan:
                 f"this plan was made for another model ({self.model_name}, fingerprint {self.model}); "
                 f"make one for {model.name} (fingerprint {model.spec.fingerprint()}) with npumoe plan."
             )
+        check_weights(self.weights, model, "this plan", self.model_name, f"make one for {model.name} with npumoe plan")
 
     # -- files -----------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -270,7 +273,7 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
                                  ("method", method, METHODS)):
         if value not in allowed:
             raise InputError(f"{name} {value!r} is not one of {', '.join(allowed)}.")
-    profile.check_model(spec)
+    profile.check_model(model)
     caps, cpu = capabilities(target), capabilities("cpu")
     layers: dict[int, LayerPlan] = {}
     for i in spec.moe_layers:
@@ -307,4 +310,5 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
         layers=layers,
         predicted=totals,
         alignment=caps.alignment,
+        weights=model.weights_fingerprint(),
     )

@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from npumoe.core.identity import default_mode, weights_fingerprint
 from npumoe.core.spec import ModelSpec
 from npumoe.core.tensorfile import Checkpoint
 from npumoe.core.weights import TensorSource, Weights
@@ -35,6 +36,7 @@ class Model:
     config: dict
     path: Path
     tokenizer: object = field(repr=False, default=None)
+    _weights_ids: dict[str, str] = field(repr=False, default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -43,6 +45,14 @@ class Model:
     @property
     def fingerprint(self) -> str:
         return self.spec.fingerprint()
+
+    def weights_fingerprint(self, mode: str | None = None) -> str:
+        """The weights' fingerprint (:mod:`npumoe.core.identity`) in ``mode`` (default: the configured one),
+        computed on first use: loading reads no data, and most commands never ask."""
+        mode = mode or default_mode()
+        if mode not in self._weights_ids:
+            self._weights_ids[mode] = weights_fingerprint(weight_files(self.path), mode)
+        return self._weights_ids[mode]
 
 
 def read_config(path: Path) -> dict:
@@ -84,6 +94,11 @@ def safetensors_files(path: Path) -> list[Path]:
 def open_checkpoint(path: Path) -> Checkpoint:
     """The directory's safetensors, mapped (headers read and checked, no tensor data)."""
     return Checkpoint.open(path, safetensors_files(path))
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files the checkpoint is read from (through its index when it has one)."""
+    return [f.path for f in open_checkpoint(path).files.values()]
 
 
 def stored_tensors(path: Path):

@@ -42,10 +42,11 @@ class Engine:
         self.on_route = on_route
         self.spec = model.spec
         if artifacts is not None:
-            from npumoe.core.artifacts import read_manifest
+            from npumoe.core.artifacts import check_built_for, read_manifest
             from npumoe.core.plan import Plan
 
             manifest = read_manifest(artifacts, verify=False)  # files are verified when loaded
+            check_built_for(manifest, artifacts, model)  # before its plan's check, so the message names the artifacts
             chunk, max_context = manifest["chunk"], manifest["max_context"]
             plan = plan if plan is not None else Plan.from_json(manifest["plan"])
         elif backend != "cpu":

@@ -29,5 +29,9 @@ class ArtifactError(NpumoeError):
     """A profile, plan or built artifact that does not belong to this model or was altered."""
 
 
+class NumericError(NpumoeError):
+    """NaN or Inf where the model's hidden states or logits belong: non-finite weights or a dtype overflow."""
+
+
 class BackendUnavailableError(NpumoeError):
     """A backend's toolchain is not installed or cannot run on this machine."""

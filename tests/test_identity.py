@@ -1,21 +1,24 @@
-"""Nothing silently wrong: profiles, plans and artifacts belong to one set of weights.
+"""Nothing silently wrong: profiles, plans and artifacts belong to one set of weights, and NaN/Inf is named.
 
 The truths: a fine-tune made here (a tiny checkpoint with one weight changed, so its config and spec
-fingerprint are the base's; small enough that the fast fingerprint hashes every byte).
+fingerprint are the base's; small enough that the fast fingerprint hashes every byte), and checkpoints with
+a NaN planted in a known tensor.
 """
 
 import json
 
 import numpy as np
 import pytest
+import torch
 from cli_check import cli_error
 from hf_compare import build_checkpoint, transformers
 from safetensors.torch import load_file, save_file
 
 import npumoe
+from npumoe.cli import main
 from npumoe.core import identity
 from npumoe.core.artifacts import build
-from npumoe.errors import ArtifactError
+from npumoe.errors import ArtifactError, NumericError
 
 IDS = np.random.default_rng(0).integers(0, 50, 200).tolist()
 
@@ -131,3 +134,33 @@ def test_fingerprint_is_cached_and_samples_large_files(tmp_path, monkeypatch):
     big.write_bytes(len(header).to_bytes(8, "little") + header + data)
     assert identity.weights_fingerprint([big], "fast") != first
     assert identity.weights_fingerprint([big], "full").startswith("full-")
+
+
+@pytest.mark.parametrize("tensor, named", [
+    ("model.layers.1.self_attn.o_proj.weight", "layer 1's attention (graph L1."),
+    ("model.layers.0.mlp.experts.{e}.down_proj.weight", "layer 0's MoE feed-forward (router and graphs"),
+])
+def test_nan_weight_stops_generation_naming_the_layer(tiny, tensor, named, tmp_path, capsys):
+    def poisoned(t):
+        t[0, 0] = float("nan")
+        return t
+
+    path = variant(tiny, tmp_path / "nan", {tensor.format(e=e): poisoned for e in range(4)})
+    with pytest.raises(NumericError, match="produced NaN or Inf"):
+        npumoe.Engine(npumoe.load(path)).generate(np.array([1, 2, 3]), 2)
+    err = cli_error(capsys, "generate", "--model", str(path), "--ids", "1,2,3", "-n", "2")
+    assert named in err and "inspect --check-values" in err
+
+
+def test_inspect_check_values_names_the_tensor(tiny, tmp_path, capsys):
+    def poisoned(t):
+        t[0, :3] = torch.tensor([float("nan"), float("inf"), float("nan")])
+        return t
+
+    path = variant(tiny, tmp_path / "nan", {"model.layers.0.self_attn.q_proj.weight": poisoned})
+    main(["inspect", str(path)])
+    assert f"npumoe inspect --check-values {path}" in " ".join(capsys.readouterr().out.split())
+    main(["inspect", "--check-values", str(path)])
+    out = capsys.readouterr().out
+    assert "1 of " in out and "tensors hold NaN or Inf" in out
+    assert "model.layers.0.self_attn.q_proj.weight: 2 NaN, 1 Inf of 1024" in out

@@ -21,7 +21,7 @@ from npumoe.core.runtime.kvcache import KVCache, attention_mask
 from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.moe import MoELayer
 from npumoe.core.spec import MoESpec
-from npumoe.errors import InputError
+from npumoe.errors import InputError, NumericError
 
 DEFAULT_CHUNK = 64
 DEFAULT_MAX_CONTEXT = 512
@@ -206,6 +206,7 @@ class Engine:
         seq, start, spec, m = len(ids), self.cache.length, self.spec, self.metrics_
         with m.time("embed"):
             x = self.embedding[ids].float() * spec.embedding_scale
+        self._check_finite(x, valid, seq, "embedding")
         for i, step in enumerate(self.program.layers):
             att = spec.layers[i].attention
             slots = self._cache_slots(step.attention[seq], start)
@@ -221,6 +222,7 @@ class Engine:
                 })
             self.cache.append(i, out["k_new"], out["v_new"], valid)
             h, z = out["h"], out["z"]
+            self._check_finite(h, valid, seq, "attention", i)
             if step.moe is not None:
                 y = self.moe_layers[(i, seq)](z, h - x, valid, self._run, m, self.on_route)
                 if step.moe.shared is not None:
@@ -231,8 +233,37 @@ class Engine:
                     y = self._run(step.dense[seq], {"z": z})["y"]
             with m.time("residual"):
                 x = h + y
+            self._check_finite(x, valid, seq, "ffn", i)
         self.cache.length += valid
         if not lm_head:
             return None
         with m.time("lm_head"):
-            return self._run(self.program.lm_head[seq], {"x": x})["logits"]
+            logits = self._run(self.program.lm_head[seq], {"x": x})["logits"]
+        self._check_finite(logits, valid, seq, "lm_head")
+        return logits
+
+    def _check_finite(self, x: torch.Tensor, valid: int, seq: int, part: str, layer: int | None = None) -> None:
+        """Stop at the first graph whose output holds NaN or Inf, naming it: otherwise a non-finite weight
+        spreads through every later layer and decodes as blank text, with no sign of where it came from.
+        One reduction per layer output, over the real positions only."""
+        if not bool(torch.isfinite(x[:valid]).all()):
+            raise NumericError(
+                f"{self._graph_description(part, layer, seq)} produced NaN or Inf, so the run stops; the checkpoint "
+                f"may hold non-finite weights (npumoe inspect --check-values {self.model.path} names them) or its "
+                "values overflow the compute dtype (try --dtype float32)."
+            )
+
+    def _graph_description(self, part: str, layer: int | None, seq: int) -> str:
+        """Which graph ``part`` of ``layer`` is, in words, for :meth:`_check_finite`'s message."""
+        if part == "embedding":
+            return "the embedding (embed.weight)"
+        if part == "lm_head":
+            return f"the LM head (graph {self.program.lm_head[seq]})"
+        step = self.program.layers[layer]
+        if part == "attention":
+            return f"layer {layer}'s attention (graph {step.attention[seq]})"
+        if step.moe is None:
+            return f"layer {layer}'s feed-forward (graph {step.dense[seq]})"
+        graphs = [g.graph for g in step.moe.groups[seq]] + ([step.moe.shared[seq]] if step.moe.shared else [])
+        more = f" and {len(graphs) - 3} more" if len(graphs) > 3 else ""
+        return f"layer {layer}'s MoE feed-forward (router and graphs {', '.join(graphs[:3])}{more})"

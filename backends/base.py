@@ -64,7 +64,8 @@ class Backend(Protocol):
 
     def calibrate(self, model, plan, max_context: int, names: list[str]) -> None: ...
 
-    def build(self, graphs: list[Graph], weights, out_dir: Path, progress: bool = True) -> dict[str, dict]: ...
+    def build(self, graphs: list[Graph], weights, out_dir: Path, progress: bool = True,
+              jobs: int = 1) -> dict[str, dict]: ...
 
     def describe(self) -> dict[str, Any]: ...
 
@@ -79,20 +80,26 @@ class BackendBase:
         """Before a build: record what the named NPU graphs see on the reference run. Only backends
         that quantise activations (the HTP's QDQ precisions) need it."""
 
-    def build(self, graphs: list[Graph], weights, out_dir: Path, progress: bool = True) -> dict[str, dict]:
-        """Lower graph by graph through the build cache: a graph lowered before (same IR, weights and
-        backend) is linked from the cache, so a killed build resumes where it stopped."""
-        from npumoe.backends.build_cache import BuildCache, unit_key
+    def build(self, graphs: list[Graph], weights, out_dir: Path, progress: bool = True,
+              jobs: int = 1) -> dict[str, dict]:
+        """Lower unit by unit (:meth:`build_units`) through the build cache: a unit lowered before (same
+        IR, weights and backend) is linked from the cache, so a killed build resumes where it stopped;
+        ``jobs`` > 1 lowers the missing units in that many processes."""
+        from npumoe.backends.build_cache import lower_units
 
-        cache, description, entries = BuildCache(), self.describe(), {}
+        units = self.build_units(graphs, weights)
         with build_progress(progress) as bar:
             task = bar.add_task(f"compiling for {self.name}", total=len(graphs))
-            for g in graphs:
-                bar.update(task, description=f"{self.name}: {g.name}")
-                key = unit_key([g], weights, description, self.cache_salt(g))
-                entries |= cache.unit(key, out_dir, lambda unit_dir, g=g: {g.name: self.lower(g, weights, unit_dir)})
-                bar.advance(task)
-        return entries
+            return lower_units(units, out_dir, bar, task, jobs)
+
+    def build_units(self, graphs: list[Graph], weights) -> list:
+        """What :meth:`build` compiles, as :class:`~npumoe.backends.build_cache.BuildUnit` s: one per graph
+        here; a backend that packages several graphs together (Core ML multifunction) groups them."""
+        from npumoe.backends.build_cache import BuildUnit, unit_key
+
+        description = self.describe()
+        return [BuildUnit(unit_key([g], weights, description, self.cache_salt(g)), [g],
+                          lambda unit_dir, g=g: {g.name: self.lower(g, weights, unit_dir)}) for g in graphs]
 
     def cache_salt(self, graph: Graph):
         """What else a lowered graph depends on beyond its IR, weights and :meth:`describe` (JSON-able)."""

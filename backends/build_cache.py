@@ -14,15 +14,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from npumoe.core.ir import Graph
 from npumoe.core.native import cache_dir
+from npumoe.errors import InputError
 
 ENTRY = "entry.json"
 VERSION = 1  # bump when what a key covers changes
@@ -60,36 +64,112 @@ class BuildCache:
         self.root.mkdir(parents=True, exist_ok=True)
         self.hits = self.misses = 0
 
-    def unit(self, key: str, out_dir: Path, lower: Callable[[Path], dict]) -> dict:
-        """``lower(dir)`` writes the unit's files under ``dir`` and returns its entries (graph name →
-        entry, paths relative to ``dir``); each entry gains ``seconds`` (compile time) and ``cached``."""
+    def has(self, key: str) -> bool:
+        return (self.root / key / ENTRY).is_file()
+
+    def fill(self, key: str, lower: Callable[[Path], dict]) -> tuple[dict, bool]:
+        """The unit's entries and whether they came from the cache; ``lower(dir)`` writes the unit's files
+        under ``dir`` and returns its entries (graph name → entry, paths relative to ``dir``), each of
+        which gains ``seconds`` (compile time)."""
         done = self.root / key
-        if (done / ENTRY).is_file():
+        if self.has(key):
             self.hits += 1
-            entries = json.loads((done / ENTRY).read_text())
-            cached = True
-        else:
-            self.misses += 1
-            work = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{key}."))
+            return json.loads((done / ENTRY).read_text()), True
+        self.misses += 1
+        work = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{key}."))
+        try:
+            start = time.perf_counter()
+            entries = lower(work)
+            seconds = (time.perf_counter() - start) / max(len(entries), 1)
+            entries = {name: {**e, "seconds": round(seconds, 3)} for name, e in entries.items()}
+            (work / ENTRY).write_text(json.dumps(entries, sort_keys=True))
+            for path in work.rglob("*"):  # shared by hard links with every artifact: never edited in place
+                if path.is_file():
+                    path.chmod(0o444)
             try:
-                start = time.perf_counter()
-                entries = lower(work)
-                seconds = (time.perf_counter() - start) / max(len(entries), 1)
-                entries = {name: {**e, "seconds": round(seconds, 3)} for name, e in entries.items()}
-                (work / ENTRY).write_text(json.dumps(entries, sort_keys=True))
-                for path in work.rglob("*"):  # shared by hard links with every artifact: never edited in place
-                    if path.is_file():
-                        path.chmod(0o444)
-                try:
-                    work.rename(done)
-                except OSError:  # another build finished the same unit first: theirs is as good
-                    shutil.rmtree(work, ignore_errors=True)
-            except BaseException:
+                work.rename(done)
+            except OSError:  # another build finished the same unit first: theirs is as good
                 shutil.rmtree(work, ignore_errors=True)
-                raise
-            cached = False
-        _link_tree(done, Path(out_dir))
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        return entries, False
+
+    def unit(self, key: str, out_dir: Path, lower: Callable[[Path], dict]) -> dict:
+        """The unit's manifest entries, from the cache or lowered now, its files linked into ``out_dir``;
+        each entry says whether it was ``cached``."""
+        entries, cached = self.fill(key, lower)
+        _link_tree(self.root / key, Path(out_dir))
         return {name: {**e, "cached": cached} for name, e in entries.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildUnit:
+    """What a backend compiles in one go: its cache key, its graphs, and how to lower them into a directory."""
+
+    key: str
+    graphs: list[Graph]
+    lower: Callable[[Path], dict]
+
+    @property
+    def label(self) -> str:
+        return self.graphs[0].name if len(self.graphs) == 1 else f"{self.graphs[0].name} (+{len(self.graphs) - 1})"
+
+
+_FORKED: list[BuildUnit] = []  # the units forked workers lower, by index: a unit's closure does not pickle
+
+
+def _worker_start() -> None:
+    """A forked worker computes on one thread: torch's OpenMP pool does not survive a fork (its first
+    parallel op would hang), and one thread a process is what ``jobs`` asks for anyway."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _lower_forked(index: int) -> None:
+    BuildCache().fill(_FORKED[index].key, _FORKED[index].lower)
+
+
+def lower_units(units: list[BuildUnit], out_dir: Path, bar, task, jobs: int = 1) -> dict[str, dict]:
+    """Every unit's entries, its files linked into ``out_dir``. With ``jobs`` > 1 the units not yet cached
+    are lowered first by that many forked processes (each fills the cache; a fork shares the mapped
+    weights), then all are linked in order; a worker's error stops the build with that error."""
+    cache, fresh = BuildCache(), set()
+    todo = [u for u in units if not cache.has(u.key)] if jobs > 1 else []
+    if todo:
+        _FORKED[:] = todo
+        try:
+            with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("fork"),
+                                     initializer=_worker_start) as pool:
+                bar.update(task, description=f"{len(todo)} units on {min(jobs, len(todo))} processes")
+                running = {pool.submit(_lower_forked, i): u for i, u in enumerate(todo)}
+                try:
+                    for done in as_completed(running):
+                        done.result()
+                        fresh.add(running[done].key)
+                        bar.update(task, description=f"done: {running[done].label}")
+                        bar.advance(task, len(running[done].graphs))
+                except BaseException:
+                    pool.shutdown(wait=False, cancel_futures=True)  # a failed unit fails the build: stop now
+                    raise
+        except BrokenProcessPool as err:
+            raise InputError(f"a build process died ({err}), most likely out of memory: each of the {jobs} jobs "
+                             "holds one unit's weights while it compiles; build again with fewer --jobs (units "
+                             "finished so far are cached).") from err
+        finally:
+            _FORKED.clear()
+    entries = {}
+    for u in units:
+        if u.key not in fresh:
+            bar.update(task, description=u.label)
+        unit = cache.unit(u.key, out_dir, u.lower)
+        if u.key in fresh:
+            unit = {name: {**e, "cached": False} for name, e in unit.items()}
+        else:
+            bar.advance(task, len(u.graphs))
+        entries |= unit
+    return entries
 
 
 def _link_tree(src: Path, dst: Path) -> None:

@@ -37,11 +37,11 @@ def io_description(graph: Graph) -> dict:
 
 
 def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512, progress: bool = True,
-          layers: set[int] | None = None, **backend_options) -> dict:
+          layers: set[int] | None = None, jobs: int = 1, **backend_options) -> dict:
     """Lower every NPU-placed graph of the planned program for ``target``; return the manifest.
 
     ``layers`` builds only those layers' graphs, for a quick look at a large model (the result
-    records it and does not run)."""
+    records it and does not run); ``jobs`` lowers that many units at once, in processes."""
     from npumoe.backends.base import get_backend
 
     out_dir = claim(out_dir, ARTIFACTS)
@@ -63,7 +63,7 @@ def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512,
     backend = get_backend(target, **backend_options)
     backend.calibrate(model, plan, max_context, [g.name for g in npu_graphs])
     with staged_directory(out_dir) as staging:
-        entries = backend.build(npu_graphs, model.weights, staging, progress=progress)
+        entries = backend.build(npu_graphs, model.weights, staging, progress=progress, jobs=jobs)
         manifest = {
             "kind": KIND,
             "target": target,

@@ -59,7 +59,7 @@ def fp16(model, ane_plan, tmp_path_factory):
 @pytest.fixture(scope="module")
 def int4(model, ane_plan, tmp_path_factory):
     out = tmp_path_factory.mktemp("ane") / "int4"
-    return out, build(model, ane_plan, "ane", out, progress=False, precision="int4")
+    return out, build(model, ane_plan, "ane", out, progress=False, precision="int4", jobs=2)  # packages in 2 processes
 
 
 @pytest.fixture(scope="module")

@@ -111,3 +111,38 @@ def test_layers_builds_a_subset_that_says_it_cannot_run(model, cpu_plan, lowered
     cpu_plan.save(plan_path)
     assert "ranges like 0-3,7" in cli_error(capsys, "build", "--plan", str(plan_path), "--target", "htp",
                                             "--out", str(tmp_path / "x"), "--layers", "a-b")
+
+
+def test_jobs_lower_in_worker_processes_to_the_same_artifacts(model, cpu_plan, lowered, tmp_path, monkeypatch):
+    serial = build(model, cpu_plan, "cpu", tmp_path / "serial", progress=False)
+    monkeypatch.setenv("NPUMOE_BUILD_CACHE", str(tmp_path / "cache-parallel"))
+    lowered.clear()
+    parallel = build(model, cpu_plan, "cpu", tmp_path / "parallel", progress=False, jobs=2)
+    assert lowered == []  # every graph was lowered in a forked worker, none in this process
+    assert not any(g["cached"] for g in parallel["graphs"].values())
+    assert parallel["files"] == serial["files"]  # the same files, byte for byte (sha256)
+    strip = lambda m: {n: {k: v for k, v in g.items() if k not in ("cached", "seconds")} for n, g in m.items()}  # noqa: E731
+    assert strip(parallel["graphs"]) == strip(serial["graphs"])
+
+
+def test_a_failing_worker_stops_the_build_with_its_error(model, cpu_plan, lowered, tmp_path, monkeypatch):
+    from npumoe.errors import InputError
+
+    def refuses(self, graph, weights, out_dir):
+        raise InputError(f"{graph.name} does not fit")
+
+    monkeypatch.setattr(CpuBackend, "lower", refuses)
+    with pytest.raises(InputError, match="does not fit"):
+        build(model, cpu_plan, "cpu", tmp_path / "failed", progress=False, jobs=2)
+    assert not (tmp_path / "failed").exists()
+
+
+def test_a_worker_killed_midway_is_named_with_the_fix(model, cpu_plan, lowered, tmp_path, monkeypatch):
+    import os
+    import signal
+
+    from npumoe.errors import InputError
+
+    monkeypatch.setattr(CpuBackend, "lower", lambda self, graph, weights, out_dir: os.kill(os.getpid(), signal.SIGKILL))
+    with pytest.raises(InputError, match="fewer --jobs"):  # as the OOM killer would
+        build(model, cpu_plan, "cpu", tmp_path / "killed", progress=False, jobs=2)

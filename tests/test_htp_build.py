@@ -65,7 +65,7 @@ def fp16(model, htp_plan, tmp_path_factory):
 def w8a16(model, htp_plan, tmp_path_factory):
     out = tmp_path_factory.mktemp("htp") / "w8a16"
     return out, build(model, htp_plan, "htp", out, max_context=MAX_CONTEXT, progress=False, precision="w8a16",
-                      keep_onnx=True)
+                      keep_onnx=True, jobs=2)  # graphs compiled in 2 processes
 
 
 @pytest.fixture(scope="module")

@@ -20,8 +20,8 @@ from npumoe.backends.apple_ane.caps import ANE_CAPS
 from npumoe.backends.apple_ane.compress import precision_for, scheme
 from npumoe.backends.apple_ane.packaging import PackagePlan, function_name, plan_packages
 from npumoe.backends.apple_ane.rules import DEFAULT_PLATFORM, POSITION_INPUT
-from npumoe.backends.base import BackendBase, build_progress
-from npumoe.backends.build_cache import BuildCache, unit_key
+from npumoe.backends.base import BackendBase
+from npumoe.backends.build_cache import BuildUnit, unit_key
 from npumoe.errors import ArtifactError, BackendUnavailableError, InputError
 
 VIAS = ("coreml", "executorch")
@@ -61,29 +61,27 @@ class AneBackend(BackendBase):
         self._runtimes: dict[Path, object] = {}
 
     # -- build -----------------------------------------------------------------------------------
-    def build(self, graphs, weights, out_dir: Path, progress: bool = True) -> dict[str, dict]:
+    def build(self, graphs, weights, out_dir: Path, progress: bool = True, jobs: int = 1) -> dict[str, dict]:
         require_coremltools()
-        cache, entries = BuildCache(), {}
-        description = {k: v for k, v in self.describe().items() if k != "packages"}  # packages: what is built
-        with build_progress(progress) as bar:
-            task = bar.add_task(f"compiling for {self.name}", total=len(graphs))
-            for pkg in plan_packages(graphs, weights, self.precision, DEFAULT_PLATFORM):
-                key = unit_key(pkg.graphs, weights, description)
-                unit = cache.unit(key, Path(out_dir), lambda d, pkg=pkg: self._build_package(pkg, weights, d, bar, task))
-                if next(iter(unit.values()))["cached"]:
-                    bar.advance(task, len(pkg.graphs))
-                self.packages[pkg.name] = next(iter(unit.values()))["package_record"]
-                entries |= unit
+        entries = super().build(graphs, weights, out_dir, progress, jobs)
+        self.packages = {Path(e["package"]).stem: e["package_record"] for e in entries.values()}
         return entries
 
-    def _build_package(self, pkg: PackagePlan, weights, out_dir: Path, bar, task) -> dict[str, dict]:
+    def build_units(self, graphs, weights) -> list[BuildUnit]:
+        """One unit per package: its graphs share weights, so they are lowered together."""
+        description = {k: v for k, v in self.describe().items() if k != "packages"}  # packages: what is built
+        return [BuildUnit(unit_key(pkg.graphs, weights, description), pkg.graphs,
+                          lambda unit_dir, pkg=pkg: self._build_package(pkg, weights, unit_dir))
+                for pkg in plan_packages(graphs, weights, self.precision, DEFAULT_PLATFORM)]
+
+    def _build_package(self, pkg: PackagePlan, weights, out_dir: Path) -> dict[str, dict]:
         precision = precision_for(pkg.kind, self.precision)
         if self.via == "executorch":
             rel, fmt = Path(PACKAGE_DIR) / f"{pkg.name}.pte", "pte"
-            entries = self._save_pte(pkg, weights, out_dir / rel, precision, bar, task)
+            entries = self._save_pte(pkg, weights, out_dir / rel, precision)
         else:
             rel, fmt = Path(PACKAGE_DIR) / f"{pkg.name}.mlpackage", "mlprogram"
-            entries = self._save_mlpackage(pkg, weights, out_dir / rel, precision, bar, task)
+            entries = self._save_mlpackage(pkg, weights, out_dir / rel, precision)
         record = {
             "path": str(rel),
             "functions": [function_name(g) for g in pkg.graphs],
@@ -94,7 +92,7 @@ class AneBackend(BackendBase):
         return {g.name: {**entries[g.name], "format": fmt, "package": str(rel), "files": [str(rel)],
                          "package_record": record} for g in pkg.graphs}
 
-    def _save_mlpackage(self, pkg: PackagePlan, weights, path: Path, precision: str, bar, task) -> dict[str, dict]:
+    def _save_mlpackage(self, pkg: PackagePlan, weights, path: Path, precision: str) -> dict[str, dict]:
         """Each graph is traced, converted and saved on its own, then the functions are merged:
         one graph's weights in memory at a time, however many share the package."""
         from npumoe.backends.apple_ane import lint
@@ -104,16 +102,14 @@ class AneBackend(BackendBase):
         entries = {}
         with PackageWriter(path) as writer:
             for g in pkg.graphs:
-                bar.update(task, description=f"{self.name}: {g.name}")
                 module = AneGraphModule(g, weights, pkg.kv)
                 entries[g.name] = self._entry(g, module, pkg, precision)
                 writer.add(function_name(g), convert_graph(module, precision))
                 del module
-                bar.advance(task)
         lint.check(path)
         return entries
 
-    def _save_pte(self, pkg: PackagePlan, weights, path: Path, precision: str, bar, task) -> dict[str, dict]:
+    def _save_pte(self, pkg: PackagePlan, weights, path: Path, precision: str) -> dict[str, dict]:
         """ExecuTorch lowers a package's methods together, so its modules are all held at once."""
         import torch
 
@@ -121,9 +117,7 @@ class AneBackend(BackendBase):
         from npumoe.backends.apple_ane.pte import save_pte
 
         modules = {function_name(g): AneGraphModule(g, weights, pkg.kv, dtype=torch.float32) for g in pkg.graphs}
-        bar.update(task, description=f"{self.name} (executorch): {pkg.name}")
         save_pte(modules, path, precision)
-        bar.advance(task, len(modules))
         return {g.name: self._entry(g, modules[function_name(g)], pkg, precision) for g in pkg.graphs}
 
     def _entry(self, graph, module, pkg: PackagePlan, precision: str) -> dict:

@@ -132,8 +132,12 @@ class NativeCalls:
         return self.lib.npumoe_stream_read(_ptr(buf), buf.nbytes, threads, prefetch)
 
     def bf16_gemv(self, w, x, y, threads):
-        n, k = w.shape
-        if self.lib.npumoe_bf16_gemv(_ptr(w), _ptr(x), x.shape[0], n, k, _ptr(y), threads):
+        self.bf16_gemv_at(_ptr(w), _ptr(x), x.shape[0], *w.shape, _ptr(y), threads)
+
+    def bf16_gemv_at(self, w: int, x: int, m: int, n: int, k: int, y: int, threads: int) -> None:
+        """The bf16 GEMV on raw addresses (W [n, k] bf16, x [m, k] and y [m, n] fp32, all C-contiguous),
+        for a caller holding tensors: no array conversion on a decode step's hot path."""
+        if self.lib.npumoe_bf16_gemv(w, x, m, n, k, y, threads):
             raise MemoryError("the bf16 GEMV could not allocate its split activations")
 
 

@@ -62,9 +62,15 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     rows = x.numel() // k if k else 0
     if not 0 < rows <= BF16_GEMV_MAX_ROWS or x.dtype != torch.float32 or not w.is_contiguous() or not _eager(x):
         return None
-    y = _kernels().bf16_gemv(w.detach().view(torch.int16).numpy(), x.detach().reshape(rows, k).contiguous().numpy(),
-                             torch.get_num_threads())
-    return torch.from_numpy(y).reshape(*x.shape[:-1], w.shape[0])
+    calls = _kernels().calls
+    if not hasattr(calls, "bf16_gemv_at"):  # emulated kernels (another ISA under qemu): through arrays
+        y = _kernels().bf16_gemv(w.detach().view(torch.int16).numpy(), x.detach().reshape(rows, k).contiguous().numpy(),
+                                 torch.get_num_threads())
+        return torch.from_numpy(y).reshape(*x.shape[:-1], w.shape[0])
+    x = x.contiguous()  # addresses, not arrays: a numpy view of each tensor costs more than a 4 MB GEMV's tenth
+    y = torch.empty(*x.shape[:-1], w.shape[0])
+    calls.bf16_gemv_at(w.data_ptr(), x.data_ptr(), rows, w.shape[0], k, y.data_ptr(), torch.get_num_threads())
+    return y
 
 
 @torch.library.custom_op("npumoe::lut_linear", mutates_args=())

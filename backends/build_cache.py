@@ -2,8 +2,8 @@
 
 A unit is what a backend compiles in one go (the HTP: one graph; the ANE: one package of
 graphs). Its key hashes everything the result depends on: the graphs' IR, the bytes of the
-weights they read, the backend's description (target, precision, SoC, toolchain versions)
-and anything else the backend names (the HTP's calibration feeds). A unit is lowered into
+weights they read, the backend's description (target, precision, SoC, toolchain versions),
+npumoe's own source code, and anything else the backend names (the HTP's calibration feeds). A unit is lowered into
 a temporary directory inside the cache and renamed into place only when complete, so a
 build killed halfway leaves every finished unit cached and none half-written; rerunning
 it links the finished units into the new artifact directory and compiles the rest.
@@ -12,6 +12,7 @@ it links the finished units into the new artifact directory and compiles the res
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -40,12 +41,28 @@ def graph_fingerprint(graph: Graph) -> dict:
             "ops": [[op.op, op.inputs, op.outputs, [[k, repr(v)] for k, v in op.attrs]] for op in graph.ops]}
 
 
+@functools.cache
+def code_digest() -> str:
+    """A hash of npumoe's own sources (Python and C): a lowering changed by an upgrade, or by an edit in a
+    development checkout, must not be answered with what the old code built."""
+    import npumoe.backends
+    import npumoe.core
+    import npumoe.luts
+
+    digest = hashlib.sha256()
+    for root in (Path(p) for pkg in (npumoe.core, npumoe.backends, npumoe.luts) for p in pkg.__path__):
+        for path in sorted(p for p in root.rglob("*") if p.suffix in (".py", ".c", ".h")):
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def unit_key(graphs: list[Graph], weights, backend_description: dict, extra=None) -> str:
-    """The key of a unit compiling ``graphs``: IR, weight bytes, backend, and ``extra`` (JSON-able)."""
+    """The key of a unit compiling ``graphs``: IR, weight bytes, backend, npumoe's code, and ``extra`` (JSON-able)."""
     from npumoe.core.weights import weights_digest
 
     names = sorted({n for g in graphs for n in g.weight_names()})
-    text = json.dumps({"version": VERSION, "graphs": [graph_fingerprint(g) for g in graphs],
+    text = json.dumps({"version": VERSION, "code": code_digest(), "graphs": [graph_fingerprint(g) for g in graphs],
                        "weights": weights_digest(weights, names), "backend": backend_description, "extra": extra},
                       sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:32]

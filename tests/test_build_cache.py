@@ -146,3 +146,13 @@ def test_a_worker_killed_midway_is_named_with_the_fix(model, cpu_plan, lowered, 
     monkeypatch.setattr(CpuBackend, "lower", lambda self, graph, weights, out_dir: os.kill(os.getpid(), signal.SIGKILL))
     with pytest.raises(InputError, match="fewer --jobs"):  # as the OOM killer would
         build(model, cpu_plan, "cpu", tmp_path / "killed", progress=False, jobs=2)
+
+
+def test_a_change_to_npumoes_code_compiles_again(model, cpu_plan, lowered, tmp_path, monkeypatch):
+    from npumoe.backends import build_cache
+
+    first = build(model, cpu_plan, "cpu", tmp_path / "a", progress=False)
+    lowered.clear()
+    monkeypatch.setattr(build_cache, "code_digest", lambda: "an edited lowering")
+    again = build(model, cpu_plan, "cpu", tmp_path / "b", progress=False)
+    assert len(lowered) == len(first["graphs"]) and not any(g["cached"] for g in again["graphs"].values())

@@ -25,6 +25,14 @@ FEATURE_BITS = {"avx2": 1, "avx512": 2, "neon": 4}
 NEEDS = {"avx2": "AVX2, FMA and F16C", "avx512": "AVX-512 F/BW/VL/DQ with VBMI and VNNI", "neon": "an AArch64 CPU"}
 
 _P, _I, _W = ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(NativeWeight)
+
+
+class Bf16Task(ctypes.Structure):
+    """One GEMV of ``npumoe_bf16_gemv_many``: W [n, k] bf16, x [m, k] and y [m, n] fp32, by address."""
+
+    _fields_ = [("w", _P), ("x", _P), ("y", _P), ("m", _I), ("n", _I), ("k", _I)]
+
+
 _SIGNATURES = {
     "npumoe_lut_isa": ([], ctypes.c_char_p),
     "npumoe_cpu_features": ([], ctypes.c_uint),
@@ -34,6 +42,7 @@ _SIGNATURES = {
     "npumoe_lut_gemm": ([_W, _P, _I, _P, _I], ctypes.c_int),
     "npumoe_stream_read": ([_P, ctypes.c_size_t, _I, ctypes.c_size_t], ctypes.c_uint64),
     "npumoe_bf16_gemv": ([_P, _P, _I, _I, _I, _P, _I], ctypes.c_int),
+    "npumoe_bf16_gemv_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
 }
 
 
@@ -138,6 +147,14 @@ class NativeCalls:
         """The bf16 GEMV on raw addresses (W [n, k] bf16, x [m, k] and y [m, n] fp32, all C-contiguous),
         for a caller holding tensors: no array conversion on a decode step's hot path."""
         if self.lib.npumoe_bf16_gemv(w, x, m, n, k, y, threads):
+            raise MemoryError("the bf16 GEMV could not allocate its split activations")
+
+    def bf16_gemv_many_at(self, tasks: list[tuple[int, int, int, int, int, int]], threads: int) -> None:
+        """Several bf16 GEMVs, each (w, x, y, m, n, k) as in :meth:`bf16_gemv_at`, in one parallel job: the
+        threads stream all the matrices as one run (a decode step's experts are 4 MB each, and a call on
+        its own pays its start-up and the stream's ramp for every one of them)."""
+        batch = (Bf16Task * len(tasks))(*tasks)
+        if self.lib.npumoe_bf16_gemv_many(batch, len(tasks), threads):
             raise MemoryError("the bf16 GEMV could not allocate its split activations")
 
 

@@ -58,10 +58,10 @@ BF16_GEMV_MAX_ROWS = 16  # past this, widening the matrix once for one fp32 GEMM
 def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """x [..., K] (fp32) · Wᵀ for a C-contiguous bf16 W through the bf16 GEMV kernel, reading W once at
     2 bytes a weight; None where it does not apply (more rows than it pays for, a strided W)."""
-    k = x.shape[-1]
-    rows = x.numel() // k if k else 0
-    if not 0 < rows <= BF16_GEMV_MAX_ROWS or x.dtype != torch.float32 or not w.is_contiguous() or not _eager(x):
+    if not _bf16_fits(x, w):
         return None
+    k = x.shape[-1]
+    rows = x.numel() // k
     calls = _kernels().calls
     if not hasattr(calls, "bf16_gemv_at"):  # emulated kernels (another ISA under qemu): through arrays
         y = _kernels().bf16_gemv(w.detach().view(torch.int16).numpy(), x.detach().reshape(rows, k).contiguous().numpy(),
@@ -71,6 +71,28 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     y = torch.empty(*x.shape[:-1], w.shape[0])
     calls.bf16_gemv_at(w.data_ptr(), x.data_ptr(), rows, w.shape[0], k, y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def bf16_linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """``bf16_linear`` of each (x, W) pair in one kernel call; None where any pair does not apply, or the
+    kernels run emulated."""
+    calls = _kernels().calls
+    if not hasattr(calls, "bf16_gemv_many_at") or not all(_bf16_fits(x, w) for x, w in zip(xs, ws)):
+        return None
+    xs = [x.contiguous() for x in xs]
+    ys = [torch.empty(*x.shape[:-1], w.shape[0]) for x, w in zip(xs, ws)]
+    calls.bf16_gemv_many_at([(w.data_ptr(), x.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], *w.shape)
+                             for x, w, y in zip(xs, ws, ys)], torch.get_num_threads())
+    return ys
+
+
+def _bf16_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Can the bf16 GEMV kernel take x · Wᵀ? fp32 activations of up to BF16_GEMV_MAX_ROWS rows and a
+    C-contiguous bf16 W, outside any tracer."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    return (0 < rows <= BF16_GEMV_MAX_ROWS and x.dtype == torch.float32 and w.dtype == torch.bfloat16
+            and w.is_contiguous() and w.shape[-1] == k and _eager(x))
 
 
 @torch.library.custom_op("npumoe::lut_linear", mutates_args=())

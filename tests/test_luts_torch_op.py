@@ -84,3 +84,21 @@ def test_bf16_linear_widens_the_weight_exactly(rows):
     torch.testing.assert_close(OP_IMPLS["linear"](x, w, b), expected, rtol=0, atol=1e-4)
     assert (bf16_linear(x, w) is None) == (rows > BF16_GEMV_MAX_ROWS)
     assert bf16_linear(x, w.T.contiguous().T) is None  # strided: torch's path
+
+
+def test_bf16_linears_batched_in_one_call_equal_each_alone():
+    """Several (x, W) pairs of different shapes in one kernel call give what each call alone gives, bit
+    for bit, and the widened fp32 product within float rounding; any pair the kernel cannot take sends
+    the whole batch back (None)."""
+    from npumoe.luts.torch_op import bf16_linear, bf16_linear_many
+
+    torch.manual_seed(3)
+    shapes = [(1, 70, 96), (3, 1024, 64), (2, 5, 208), (16, 40, 32)]  # rows, outputs, inputs
+    xs = [torch.randn(m, k) for m, _, k in shapes]
+    ws = [torch.randn(n, k).to(torch.bfloat16) for _, n, k in shapes]
+    batched = bf16_linear_many(xs, ws)
+    for x, w, y in zip(xs, ws, batched):
+        assert torch.equal(y, bf16_linear(x, w))
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, w.float()), rtol=0, atol=1e-4)
+    assert bf16_linear_many(xs, [*ws[:-1], ws[-1].float()]) is None
+    assert bf16_linear_many([*xs[:-1], torch.randn(17, 32)], ws) is None  # more rows than the kernel takes

@@ -171,3 +171,23 @@ def test_planned_engine_matches_reference_with_spill(tmp_path, chunk):
     np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     m = eng.metrics
     assert m["routed"] == 40 * 2 * 2 and m["dropped"] == 0 and m["npu_launches"] > 0
+
+
+def test_experts_run_side_by_side_equal_each_run_alone():
+    """TorchGraphExecutor.run_many (a decode step's CPU experts, their bf16 linears batched into one kernel
+    call per step) gives exactly what each executor gives alone; graphs whose steps differ run one by one."""
+    import npumoe
+
+    model = npumoe.load(dtype="bfloat16")
+    layer = model.spec.moe_layers[0]
+    executors = [TorchGraphExecutor(experts_graph(model.spec, layer, (e,), 2, f"e{e}"), model.weights)
+                 for e in range(4)]
+    torch.manual_seed(0)
+    inputs = [{"x": torch.randn(rows, model.spec.hidden_size)} for rows in (1, 2, 1, 3)]
+    side_by_side = TorchGraphExecutor.run_many(executors, inputs)
+    for run, x, got in zip(executors, inputs, side_by_side):
+        assert torch.equal(got["y"], run(x)["y"])
+    pair = TorchGraphExecutor(experts_graph(model.spec, layer, (0, 1), 2, "pair"), model.weights)  # more steps
+    x = {"x": torch.randn(4, model.spec.hidden_size)}
+    mixed = TorchGraphExecutor.run_many([executors[0], pair], [inputs[0], x])
+    assert torch.equal(mixed[0]["y"], executors[0](inputs[0])["y"]) and torch.equal(mixed[1]["y"], pair(x)["y"])

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op
-from npumoe.luts.torch_op import bf16_linear
+from npumoe.luts.torch_op import bf16_linear, bf16_linear_many
 
 
 def _rmsnorm(x, w, *, eps):
@@ -142,10 +142,48 @@ class TorchGraphExecutor:
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         env = dict(inputs)
-        for impl, args, attrs, outputs in self._steps:
-            result = impl(*[env[a] if isinstance(a, str) else a for a in args], **attrs)
-            if len(outputs) == 1:
-                env[outputs[0]] = result
-            else:
-                env.update(zip(outputs, result))
+        for step in self._steps:
+            _run_step(step, env)
         return {name: env[name] for name in self.graph.outputs}
+
+    @staticmethod
+    def run_many(executors: list[TorchGraphExecutor], inputs: list[Mapping[str, torch.Tensor]]) -> list[dict]:
+        """Each executor on its inputs, as ``[e(i) for e, i in ...]`` computes them, for graphs of one shape (a
+        layer's experts) run side by side: each step's bf16 linears (a decode step's experts) go to the
+        kernel as one batched call, which streams all their matrices as one run."""
+        if not _same_steps(executors):
+            return [e(i) for e, i in zip(executors, inputs)]
+        envs = [dict(i) for i in inputs]
+        for column in zip(*(e._steps for e in executors)):
+            if not (column[0][0] is _linear and _run_linears(column, envs)):
+                for step, env in zip(column, envs):
+                    _run_step(step, env)
+        return [{name: env[name] for name in e.graph.outputs} for e, env in zip(executors, envs)]
+
+
+def _same_steps(executors: list[TorchGraphExecutor]) -> bool:
+    """Do the executors run the same ops with the same attributes, so that their steps line up?"""
+    def shape(e):
+        return [(impl, attrs, len(args)) for impl, args, attrs, _ in e._steps]
+
+    return bool(executors) and all(shape(e) == shape(executors[0]) for e in executors[1:])
+
+
+def _run_step(step, env: dict) -> None:
+    impl, args, attrs, outputs = step
+    result = impl(*[env[a] if isinstance(a, str) else a for a in args], **attrs)
+    if len(outputs) == 1:
+        env[outputs[0]] = result
+    else:
+        env.update(zip(outputs, result))
+
+
+def _run_linears(column, envs: list[dict]) -> bool:
+    """One linear step of several graphs as one batched bf16 GEMV; False (nothing run) where it does not apply."""
+    xs = [env[args[0]] for (_, args, _, _), env in zip(column, envs)]
+    ys = bf16_linear_many(xs, [args[1] for _, args, _, _ in column])
+    if ys is None:
+        return False
+    for (_, args, _, outputs), env, y in zip(column, envs, ys):
+        env[outputs[0]] = y if len(args) < 3 else y + args[2]
+    return True

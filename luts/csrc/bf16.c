@@ -42,6 +42,14 @@ static inline float hsum(f32x8 v) {
     return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
+/* one GEMV of a batch: W [n][k] bf16, x [m][k] and y [m][n] fp32, all row-major */
+typedef struct {
+    const uint16_t *w;
+    const float *x;
+    float *y;
+    int m, n, k;
+} npumoe_bf16_task;
+
 typedef struct {
     const uint16_t *w;
     const float *x;      /* [m][k] */
@@ -80,29 +88,65 @@ static void bf16_block(const bf16_job *job, int r) {
     }
 }
 
+/* Several GEMVs in one parallel job (a decode step's experts): their row blocks are numbered one after
+ * another, so the threads stream one long run of weights instead of restarting per matrix. */
+typedef struct {
+    bf16_job *jobs;
+    int *first_block; /* [count + 1]: the global number of each task's first block */
+    int count;
+} bf16_batch;
+
 static void bf16_range(void *ctx, int b0, int b1) {
-    for (int b = b0; b < b1; b++) bf16_block(ctx, b * BF16_ROWS);
+    const bf16_batch *batch = ctx;
+    int t = 0;
+    while (batch->first_block[t + 1] <= b0) t++;
+    for (int b = b0; b < b1; b++) {
+        while (batch->first_block[t + 1] <= b) t++;
+        bf16_block(&batch->jobs[t], (b - batch->first_block[t]) * BF16_ROWS);
+    }
 }
 
-/* y [m][n] = x [m][k] · Wᵀ for W [n][k] in bf16 (row-major): each weight row read once for all m rows of x.
- * Returns -1 if it cannot allocate the split activations. */
-NPUMOE_API int npumoe_bf16_gemv(const uint16_t *w, const float *x, int m, int n, int k, float *y, int threads) {
-    const int k16 = k / 16 * 16;
-    float *split = malloc(sizeof(float) * ((size_t)m * k16 + 1));
-    if (!split) return -1;
-    for (int i = 0; i < m; i++)
-        for (int kk = 0; kk < k16; kk += 16)
-            for (int j = 0; j < 8; j++) {
-                split[(size_t)i * k16 + kk + j] = x[(size_t)i * k + kk + 2 * j];
-                split[(size_t)i * k16 + kk + 8 + j] = x[(size_t)i * k + kk + 2 * j + 1];
-            }
-    bf16_job job = {w, x, split, y, n, k, m};
-    const int blocks = (n + BF16_ROWS - 1) / BF16_ROWS;
-    const size_t block_bytes = (size_t)BF16_ROWS * k * sizeof(uint16_t);
-    /* chunks of ≥ 1 MB (each chunk restarts the read stream), but at least one per thread */
-    int min_chunk = (int)(LUT_STREAM_CHUNK / block_bytes + 1);
-    if (threads > 1 && min_chunk > blocks / threads) min_chunk = blocks / threads > 0 ? blocks / threads : 1;
-    lut_parallel(bf16_range, &job, blocks, threads, min_chunk);
-    free(split);
+/* For each task, y [m][n] = x [m][k] · Wᵀ for W [n][k] in bf16 (row-major): each weight row read once for
+ * all m rows of x. Returns -1 if it cannot allocate the split activations. */
+NPUMOE_API int npumoe_bf16_gemv_many(const npumoe_bf16_task *tasks, int count, int threads) {
+    size_t split_floats = 1, weight_bytes = 0;
+    for (int t = 0; t < count; t++) split_floats += (size_t)tasks[t].m * (tasks[t].k / 16 * 16);
+    float *split = malloc(sizeof(float) * split_floats);
+    bf16_job *jobs = malloc(sizeof(bf16_job) * (count + 1));
+    int *first_block = malloc(sizeof(int) * (count + 1));
+    if (!split || !jobs || !first_block) {
+        free(split), free(jobs), free(first_block);
+        return -1;
+    }
+    float *at = split;
+    first_block[0] = 0;
+    for (int t = 0; t < count; t++) {
+        const npumoe_bf16_task *task = &tasks[t];
+        const int k = task->k, k16 = k / 16 * 16;
+        for (int i = 0; i < task->m; i++)
+            for (int kk = 0; kk < k16; kk += 16)
+                for (int j = 0; j < 8; j++) {
+                    at[(size_t)i * k16 + kk + j] = task->x[(size_t)i * k + kk + 2 * j];
+                    at[(size_t)i * k16 + kk + 8 + j] = task->x[(size_t)i * k + kk + 2 * j + 1];
+                }
+        jobs[t] = (bf16_job){task->w, task->x, at, task->y, task->n, k, task->m};
+        at += (size_t)task->m * k16;
+        first_block[t + 1] = first_block[t] + (task->n + BF16_ROWS - 1) / BF16_ROWS;
+        weight_bytes += (size_t)task->n * k * sizeof(uint16_t);
+    }
+    const int blocks = first_block[count];
+    if (blocks > 0) {
+        bf16_batch batch = {jobs, first_block, count};
+        /* chunks of ≥ 1 MB (each chunk restarts the read stream), but at least one per thread */
+        int min_chunk = (int)(LUT_STREAM_CHUNK / (weight_bytes / blocks + 1) + 1);
+        if (threads > 1 && min_chunk > blocks / threads) min_chunk = blocks / threads > 0 ? blocks / threads : 1;
+        lut_parallel(bf16_range, &batch, blocks, threads, min_chunk);
+    }
+    free(split), free(jobs), free(first_block);
     return 0;
+}
+
+NPUMOE_API int npumoe_bf16_gemv(const uint16_t *w, const float *x, int m, int n, int k, float *y, int threads) {
+    const npumoe_bf16_task task = {w, x, y, m, n, k};
+    return npumoe_bf16_gemv_many(&task, 1, threads);
 }

@@ -12,6 +12,7 @@
  */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <time.h>
 #include <unistd.h>
@@ -139,6 +140,14 @@ void lut_parallel(lut_range_fn fn, void *ctx, int units, int threads, int min_ch
     if (atomic_load(&pool.sleepers)) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.sleep_lock);
     run_chunks(job, 0);
-    while (atomic_load_explicit(&pool.done, memory_order_acquire) < chunks) CPU_RELAX();
+    /* Wait for chunks still held by workers: spin a little, then yield. On a busy machine the worker
+     * holding the last chunk may be waiting for this very core, and a caller that only spins keeps it
+     * off until the scheduler preempts it (seen: decode 20x slower beside one CPU-bound process). */
+    const long long spin_until = now_ns() + SPIN_NS;
+    for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < chunks;)
+        if (++spins % 64 || now_ns() < spin_until)
+            CPU_RELAX();
+        else
+            sched_yield();
     pthread_mutex_unlock(&pool.call_lock);
 }

@@ -187,6 +187,8 @@ def test_experts_run_side_by_side_equal_each_run_alone():
     side_by_side = TorchGraphExecutor.run_many(executors, inputs)
     for run, x, got in zip(executors, inputs, side_by_side):
         assert torch.equal(got["y"], run(x)["y"])
+        widened = TorchGraphExecutor(run.graph, {n: model.weights[n].float() for n in run.graph.weight_names()})
+        torch.testing.assert_close(got["y"], widened(x)["y"], rtol=0, atol=1e-4)  # torch's fp32 ops: the truth
     pair = TorchGraphExecutor(experts_graph(model.spec, layer, (0, 1), 2, "pair"), model.weights)  # more steps
     x = {"x": torch.randn(4, model.spec.hidden_size)}
     mixed = TorchGraphExecutor.run_many([executors[0], pair], [inputs[0], x])

@@ -126,6 +126,7 @@ class TorchGraphExecutor:
     def __init__(self, graph: Graph, weights: Mapping[str, torch.Tensor]):
         self.graph = graph
         self._steps = [self._bind(op, weights) for op in graph.ops]
+        self._runs = _independent_runs(self._steps)
 
     @staticmethod
     def _bind(op: Op, weights):
@@ -141,24 +142,37 @@ class TorchGraphExecutor:
         return OP_IMPLS[kind], args, op.a, op.outputs
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        env = dict(inputs)
-        for step in self._steps:
-            _run_step(step, env)
-        return {name: env[name] for name in self.graph.outputs}
+        return self.run_many([self], [inputs])[0]
 
     @staticmethod
     def run_many(executors: list[TorchGraphExecutor], inputs: list[Mapping[str, torch.Tensor]]) -> list[dict]:
-        """Each executor on its inputs, as ``[e(i) for e, i in ...]`` computes them, for graphs of one shape (a
-        layer's experts) run side by side: each step's bf16 linears (a decode step's experts) go to the
-        kernel as one batched call, which streams all their matrices as one run."""
+        """Each executor on its inputs, as calling each computes them, with independent bf16 linears batched
+        into one kernel call: consecutive ones of a graph that read no output of each other (q, k, v; gate,
+        up) and, for graphs of one shape run side by side (a decode step's experts), the same step of every
+        graph. The kernel then streams all their matrices as one run instead of restarting per matrix."""
         if not _same_steps(executors):
             return [e(i) for e, i in zip(executors, inputs)]
         envs = [dict(i) for i in inputs]
-        for column in zip(*(e._steps for e in executors)):
-            if not (column[0][0] is _linear and _run_linears(column, envs)):
-                for step, env in zip(column, envs):
+        for run in executors[0]._runs:
+            steps = [(e._steps[i], env) for e, env in zip(executors, envs) for i in run]
+            if not (steps[0][0][0] is _linear and len(steps) > 1 and _run_linears(steps)):
+                for step, env in steps:
                     _run_step(step, env)
         return [{name: env[name] for name in e.graph.outputs} for e, env in zip(executors, envs)]
+
+
+def _independent_runs(steps: list) -> list[list[int]]:
+    """Step indices in runs: consecutive linears none of which reads another's output share a run, every
+    other step is a run of its own."""
+    runs: list[list[int]] = []
+    for i, (impl, args, _, _) in enumerate(steps):
+        last = runs[-1] if runs else None
+        if impl is _linear and last and steps[last[0]][0] is _linear \
+                and args[0] not in {out for j in last for out in steps[j][3]}:
+            last.append(i)
+        else:
+            runs.append([i])
+    return runs
 
 
 def _same_steps(executors: list[TorchGraphExecutor]) -> bool:
@@ -166,7 +180,7 @@ def _same_steps(executors: list[TorchGraphExecutor]) -> bool:
     def shape(e):
         return [(impl, attrs, len(args)) for impl, args, attrs, _ in e._steps]
 
-    return bool(executors) and all(shape(e) == shape(executors[0]) for e in executors[1:])
+    return len(executors) == 1 or bool(executors) and all(shape(e) == shape(executors[0]) for e in executors[1:])
 
 
 def _run_step(step, env: dict) -> None:
@@ -178,12 +192,12 @@ def _run_step(step, env: dict) -> None:
         env.update(zip(outputs, result))
 
 
-def _run_linears(column, envs: list[dict]) -> bool:
-    """One linear step of several graphs as one batched bf16 GEMV; False (nothing run) where it does not apply."""
-    xs = [env[args[0]] for (_, args, _, _), env in zip(column, envs)]
-    ys = bf16_linear_many(xs, [args[1] for _, args, _, _ in column])
+def _run_linears(steps: list[tuple]) -> bool:
+    """Linear steps, each with its environment, as one batched bf16 GEMV; False (nothing run) where it does
+    not apply."""
+    ys = bf16_linear_many([env[args[0]] for (_, args, _, _), env in steps], [args[1] for (_, args, _, _), _ in steps])
     if ys is None:
         return False
-    for (_, args, _, outputs), env, y in zip(column, envs, ys):
+    for ((_, args, _, outputs), env), y in zip(steps, ys):
         env[outputs[0]] = y if len(args) < 3 else y + args[2]
     return True

@@ -95,6 +95,7 @@ def read_manifest(out_dir: str | Path, verify: bool = True) -> dict:
     """The manifest, after checking every file against its recorded sha256."""
     out_dir = Path(out_dir)
     manifest = read_json_artifact(out_dir / MANIFEST, KIND, "an artifact directory (npumoe build --out)")
+    _check_fields(out_dir, manifest)
     _check_paths_inside(out_dir, [*manifest.get("files", {}), *_strings(manifest.get("graphs", {}))])
     if verify:
         for rel, digest in manifest["files"].items():
@@ -107,6 +108,34 @@ def read_manifest(out_dir: str | Path, verify: bool = True) -> dict:
                     "Rebuild with npumoe build (or restore the file)."
                 )
     return manifest
+
+
+def _whole(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+# what the engine and loaders read from a manifest, and the test each value must pass
+_FIELDS = {
+    "model": lambda v: isinstance(v, str),
+    "weights": lambda v: v is None or isinstance(v, str),
+    "chunk": lambda v: _whole(v, 1),
+    "max_context": lambda v: _whole(v, 1),
+    "plan": lambda v: isinstance(v, dict),
+    "layers": lambda v: v is None or (isinstance(v, list) and all(_whole(x, 0) for x in v)),
+    "graphs": lambda v: isinstance(v, dict) and all(isinstance(g, dict) for g in v.values()),
+    "files": lambda v: isinstance(v, dict) and all(isinstance(d, str) for d in v.values()),
+}
+
+
+def _check_fields(out_dir: Path, manifest: dict) -> None:
+    """Refuse a manifest missing a field the run reads, or holding one of the wrong type, before it is used:
+    a manifest is input, and an edited one must be named, not fail as a KeyError deep in the engine."""
+    for name, valid in _FIELDS.items():
+        if name not in manifest and name in ("weights", "layers"):
+            continue  # manifests from before these fields: refused (weights) or whole (layers) elsewhere
+        if name not in manifest or not valid(manifest[name]):
+            got = f"holds {name!r} = {manifest[name]!r:.60}" if name in manifest else f"has no {name!r}"
+            raise ArtifactError(f"{out_dir / MANIFEST} {got}; the manifest was altered, rebuild with npumoe build.")
 
 
 def _strings(value) -> list[str]:

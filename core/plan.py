@@ -107,6 +107,29 @@ class Plan:
                 f"make one for {model.name} (fingerprint {model.spec.fingerprint()}) with npumoe plan."
             )
         check_weights(self.weights, model, "this plan", self.model_name, f"make one for {model.name} with npumoe plan")
+        self._check_fits(model.spec)
+
+    def _check_fits(self, spec: ModelSpec) -> None:
+        """Values the fingerprints do not cover, checked against the model: an edited plan (or one inside
+        an artifact manifest) naming layer 7 of a 2-layer model or a negative capacity is refused here."""
+        def bad(what: str):
+            raise ArtifactError(f"this plan is damaged: {what}; make a new one with npumoe plan.")
+
+        if self.chunk < 1 or self.alignment < 1:
+            bad(f"chunk {self.chunk} and alignment {self.alignment} must be ≥ 1")
+        for name, value, allowed in (("overflow", self.overflow, OVERFLOW_POLICIES),
+                                     ("dense_placement", self.dense_placement, ("cpu", "npu"))):
+            if value not in allowed:
+                bad(f"its {name} is {value!r}, not one of {', '.join(allowed)}")
+        if sorted(self.layers) != sorted(spec.moe_layers):
+            bad(f"it plans layers {sorted(self.layers)}, but the model's MoE layers are {list(spec.moe_layers)}")
+        for i, lp in self.layers.items():
+            experts = sorted(e for g in lp.groups for e in g.experts)
+            if experts != list(range(spec.layers[i].ffn.num_experts)):
+                bad(f"layer {i}'s groups do not hold each of its {spec.layers[i].ffn.num_experts} experts once")
+            for g in lp.groups:
+                if g.capacity < 0 or g.residency not in ("npu", "cpu") or (g.residency == "npu") != (g.capacity > 0):
+                    bad(f"layer {i} has a group of capacity {g.capacity} with residency {g.residency!r}")
 
     # -- files -----------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -122,13 +145,52 @@ class Plan:
         return cls.from_json(read_json_artifact(path, KIND, "a plan (npumoe plan --out)"))
 
     @classmethod
-    def from_json(cls, data: dict) -> Plan:
+    def from_json(cls, data: dict, where: str = "the plan") -> Plan:
+        """A plan from its JSON, every field checked for its type first: a plan is a file a user may edit,
+        and a wrong one must be named (ArtifactError), never fail deep in the runtime."""
         data = {k: v for k, v in data.items() if k != "kind"}
-        layers = {
-            int(i): LayerPlan(lp["tiers"], lp["expert_tier"], [GroupPlan(**g) for g in lp["groups"]], lp["predicted"])
-            for i, lp in data.pop("layers").items()
-        }
+        _check_fields(cls, data, where)
+        if not isinstance(data["layers"], dict) or not all(str(i).isdigit() for i in data["layers"]):
+            raise ArtifactError(f"{where} is damaged: its 'layers' must map layer numbers to layer plans; "
+                                "make a new one with npumoe plan.")
+        layers = {}
+        for i, lp in data.pop("layers").items():
+            _check_fields(LayerPlan, lp, f"{where}'s layer {i}")
+            for j, g in enumerate(lp["groups"]):
+                _check_fields(GroupPlan, g, f"{where}'s layer {i} group {j}")
+            layers[int(i)] = LayerPlan(lp["tiers"], lp["expert_tier"], [GroupPlan(**g) for g in lp["groups"]],
+                                       lp.get("predicted", {}))
         return cls(layers=layers, **data)
+
+
+_JSON_TYPES = {"str": str, "int": int, "float": (int, float), "dict": dict, "list[int]": list, "list[GroupPlan]": list,
+               "dict[int, LayerPlan]": dict, "str | None": (str, type(None))}
+
+
+def _check_fields(cls, data, where: str) -> None:
+    """Every field of dataclass ``cls`` without a default is in ``data``, and every present one has its
+    annotated JSON type (ints are whole numbers, never booleans; list[int] holds only ints)."""
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{where} is damaged: expected a JSON object, got {data!r:.60}; make a new one with "
+                            "npumoe plan.")
+    from dataclasses import MISSING, fields
+
+    for f in fields(cls):
+        if f.name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ArtifactError(f"{where} is damaged: it has no {f.name!r}; make a new one with npumoe plan.")
+            continue
+        value, kind = data[f.name], _JSON_TYPES[f.type]
+        whole = f.type == "int" or f.type == "list[int]"
+        items = value if f.type == "list[int]" and isinstance(value, list) else [value]
+        if (not isinstance(value, kind) or isinstance(value, bool)
+                or (whole and not all(isinstance(x, int) and not isinstance(x, bool) for x in items))):
+            raise ArtifactError(f"{where} is damaged: its {f.name!r} is {value!r:.60}, not a {f.type}; make a new "
+                                "one with npumoe plan.")
+    unknown = sorted(set(data) - {f.name for f in fields(cls)})
+    if unknown:
+        raise ArtifactError(f"{where} is damaged: it has an unknown field {unknown[0]!r}; make a new one with "
+                            "npumoe plan.")
 
 
 # -- capacities ----------------------------------------------------------------------------------
@@ -188,6 +250,8 @@ def _best_tier_set(cost: np.ndarray, max_tiers: int) -> list[int]:
     Exhaustive over a shortlist (each expert's own best capacity and its neighbours), then
     coordinate descent over all candidates: exact for small E, near-exact beyond."""
     best_each = np.unique(np.argmin(cost, axis=1))
+    if max_tiers >= len(best_each):  # every expert at its own best: optimal, and no search (--max-tiers 1e10)
+        return sorted(int(i) for i in best_each)
     shortlist = np.unique(np.clip(np.concatenate([best_each - 1, best_each, best_each + 1]), 0, cost.shape[1] - 1))
     if len(shortlist) > 24:
         shortlist = shortlist[np.linspace(0, len(shortlist) - 1, 24).round().astype(int)]

@@ -69,11 +69,16 @@ def bench():
     """Benchmarks: speed figures live here, never in unit tests."""
 
 
+def one_line(message: str) -> str:
+    """``message`` with line breaks escaped: a path a user gave may hold one, and the error stays one line."""
+    return "".join(repr(c)[1:-1] if c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029" else c for c in message)
+
+
 def main(argv: list[str] | None = None) -> None:
     try:
         cli.main(args=argv, prog_name="npumoe", standalone_mode=False)
     except NpumoeError as err:
-        click.echo(f"error: {err}", err=True)
+        click.echo(f"error: {one_line(str(err))}", err=True)
         sys.exit(2)
     except click.exceptions.Abort:
         click.echo("aborted", err=True)

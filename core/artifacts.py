@@ -95,8 +95,10 @@ def read_manifest(out_dir: str | Path, verify: bool = True) -> dict:
     """The manifest, after checking every file against its recorded sha256."""
     out_dir = Path(out_dir)
     manifest = read_json_artifact(out_dir / MANIFEST, KIND, "an artifact directory (npumoe build --out)")
+    files, graphs = manifest.get("files"), manifest.get("graphs")  # paths first: nothing outside is ever opened
+    _check_paths_inside(out_dir, [*(files if isinstance(files, dict) else {}),
+                                  *_strings(graphs if isinstance(graphs, dict) else {})])
     _check_fields(out_dir, manifest)
-    _check_paths_inside(out_dir, [*manifest.get("files", {}), *_strings(manifest.get("graphs", {}))])
     if verify:
         for rel, digest in manifest["files"].items():
             path = out_dir / rel

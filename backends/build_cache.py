@@ -3,8 +3,8 @@
 A unit is what a backend compiles in one go (the HTP: one graph; the ANE: one package of
 graphs). Its key hashes everything the result depends on: the graphs' IR, the bytes of the
 weights they read, the backend's description (target, precision, SoC, toolchain versions),
-npumoe's own source code, and anything else the backend names (the HTP's calibration feeds). A unit is lowered into
-a temporary directory inside the cache and renamed into place only when complete, so a
+npumoe's own source code, and anything else the backend names (the HTP's calibration feeds).
+A unit is lowered into a temporary directory inside the cache and renamed into place only when complete, so a
 build killed halfway leaves every finished unit cached and none half-written; rerunning
 it links the finished units into the new artifact directory and compiles the rest.
 """

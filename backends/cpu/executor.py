@@ -127,6 +127,7 @@ class TorchGraphExecutor:
         self.graph = graph
         self._steps = [self._bind(op, weights) for op in graph.ops]
         self._runs = _independent_runs(self._steps)
+        self._shape = [(impl, attrs, len(args)) for impl, args, attrs, _ in self._steps]  # what run_many lines up
 
     @staticmethod
     def _bind(op: Op, weights):
@@ -177,10 +178,7 @@ def _independent_runs(steps: list) -> list[list[int]]:
 
 def _same_steps(executors: list[TorchGraphExecutor]) -> bool:
     """Do the executors run the same ops with the same attributes, so that their steps line up?"""
-    def shape(e):
-        return [(impl, attrs, len(args)) for impl, args, attrs, _ in e._steps]
-
-    return len(executors) == 1 or bool(executors) and all(shape(e) == shape(executors[0]) for e in executors[1:])
+    return len(executors) == 1 or bool(executors) and all(e._shape == executors[0]._shape for e in executors[1:])
 
 
 def _run_step(step, env: dict) -> None:

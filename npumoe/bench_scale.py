@@ -28,6 +28,7 @@ from rich.table import Table
 
 from npumoe.core.native import cache_dir
 from npumoe.core.tensorfile import INDEX, SafetensorsWriter
+from npumoe.models.loader import read_config
 
 OLMOE_1B_7B_0924 = {
     "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "attention_bias": False, "clip_qkv": None,
@@ -275,6 +276,7 @@ def bench_scale_command(model_name, layers, ckpt, steps, as_json):
     console = Console(stderr=as_json)
     cfg = MODELS[model_name]
     if ckpt:  # --layers cuts a given checkpoint (its shards linked, not copied)
+        read_config(Path(ckpt))  # a directory that is no checkpoint is named now, not by the first step's failure
         path = cut(Path(ckpt), layers, CACHE / f"{Path(ckpt).name}-cut-{layers}") if layers else Path(ckpt)
     elif layers:  # ... and writes only that many layers of the named model
         path = write_random_checkpoint({**cfg, "num_hidden_layers": layers}, CACHE / f"{model_name}-{layers}-layers")

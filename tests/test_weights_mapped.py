@@ -214,3 +214,7 @@ def test_bench_scale_checkpoint_is_what_transformers_reads(tmp_path):
     ref, _ = hf_routing(hf.eval(), ids)
     ours = npumoe.Engine(npumoe.load(path, dtype="float32"), chunk=8).forward(ids)
     np.testing.assert_allclose(ours, ref, atol=LOGIT_TOL, rtol=0)
+
+
+def test_bench_scale_names_a_ckpt_that_is_no_checkpoint_before_running_anything(tmp_path, capsys):
+    assert "has no config.json" in cli_error(capsys, "bench", "scale", "--ckpt", str(tmp_path), "--steps", "inspect")

@@ -42,7 +42,7 @@ def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512,
 
     ``layers`` builds only those layers' graphs, for a quick look at a large model (the result
     records it and does not run); ``jobs`` lowers that many units at once, in processes."""
-    from npumoe.backends.base import get_backend
+    from npumoe.core.backend import get_backend
 
     out_dir = claim(out_dir, ARTIFACTS)
     if plan.target != target:

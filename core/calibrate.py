@@ -184,3 +184,10 @@ def calibrate(model, texts, chunk: int = 256, window: int = 2048, progress: bool
         sources=list(sources or []),
         weights=model.weights_fingerprint(),
     )
+
+
+def default_calibration_texts() -> dict[str, str]:
+    """Python's own documentation topics: always on disk, so calibration needs no download."""
+    import pydoc_data.topics
+
+    return {f"pydoc_data.topics:{k}": v for k, v in sorted(pydoc_data.topics.topics.items())}

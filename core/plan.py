@@ -1,7 +1,7 @@
 """The planner: static capacity tiers, expert groups and residency from a RoutingProfile.
 
 Driven only by the profile (per-chunk expert loads at chunk size B) and the target's
-:class:`~npumoe.backends.base.Capabilities`.
+:class:`~npumoe.core.backend.Capabilities`.
 
 Capacities. For expert e at capacity C, over calibration chunks c with load n_ce:
 padding(C) = E[max(0, C − n_ce)] and overflow(C) = E[max(0, n_ce − C)]. Three methods:
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from npumoe.backends.base import Capabilities, capabilities
+from npumoe.core.backend import Capabilities, capabilities
 from npumoe.core.calibrate import RoutingProfile, imbalance
 from npumoe.core.identity import check_weights
 from npumoe.core.io import atomic_write_text, read_json_artifact

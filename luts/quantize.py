@@ -14,11 +14,9 @@ import shutil
 from dataclasses import asdict
 from pathlib import Path
 
-import click
 import torch
 from rich.progress import MofNCompleteColumn, Progress
 
-from npumoe.core.cli import model_option
 from npumoe.core.outputs import OutputKind, claim, json_object, staged_directory
 from npumoe.core.tensorfile import SafetensorsWriter
 from npumoe.core.weights import Weights
@@ -95,23 +93,3 @@ def _write_weights(path: Path, weights: Weights, packed: set[str], bits: int, gr
 
 def _is_weights(file: Path) -> bool:
     return file.name.endswith((".safetensors", ".safetensors.index.json")) or file.suffix in PICKLE_SUFFIXES
-
-
-@click.command("quantize")
-@model_option
-@click.option("--bits", default=4, show_default=True, type=int, help="Bits per weight: 1, 2, 3, 4, 5 or 8.")
-@click.option("--group", default=64, show_default=True, type=int,
-              help="Weights per scale and zero point along K: 32, 64 or 128.")
-@click.option("--symmetric", is_flag=True, help="Zero point fixed at 2^(bits−1) (signed int4 for QNN's HTP).")
-@click.option("--out", "out_dir", required=True, type=click.Path(), help="Directory for the quantised checkpoint.")
-def quantize_command(model_dir, bits, group, symmetric, out_dir):
-    """Quantise the routed experts' weights to the npumoe LUT format (npumoe.load reads the result).
-
-    \b
-    Example:
-      npumoe quantize --model DIR --bits 4 --group 64 --out DIR2
-      npumoe generate --model DIR2
-    """
-    info = quantize_checkpoint(model_dir, out_dir, bits, group, symmetric, progress=True)
-    kind = "symmetric" if info["symmetric"] else "asymmetric"
-    click.echo(f"wrote {out_dir}: routed experts at {bits} bits, group {group}, {kind}")

@@ -1,6 +1,6 @@
 """The `npumoe` command line.
 
-Subcommands live next to the code they drive and are imported only when invoked, so
+Subcommands live in :mod:`npumoe.commands`, one module each, and are imported only when invoked, so
 `npumoe --help` stays fast. A subcommand is registered here by its dotted path.
 Any :class:`npumoe.errors.NpumoeError` becomes one line on stderr and exit code 2.
 """
@@ -33,23 +33,23 @@ class LazyGroup(click.Group):
 
 
 COMMANDS = {
-    "inspect": "npumoe.models.cli:inspect_command",
-    "generate": "npumoe.core.cli:generate_command",
-    "demo": "npumoe.core.cli:demo_command",
-    "calibrate": "npumoe.core.plan_cli:calibrate_command",
-    "plan": "npumoe.core.plan_cli:plan_command",
-    "build": "npumoe.core.build_cli:build_command",
+    "inspect": "npumoe.commands.inspect:inspect_command",
+    "generate": "npumoe.commands.generate:generate_command",
+    "demo": "npumoe.commands.generate:demo_command",
+    "calibrate": "npumoe.commands.plan:calibrate_command",
+    "plan": "npumoe.commands.plan:plan_command",
+    "build": "npumoe.commands.build:build_command",
     "hub": "npumoe.backends.qualcomm_htp.hub:hub_command",
     "lint": "npumoe.backends.apple_ane.lint:lint_command",
-    "quantize": "npumoe.luts.quantize:quantize_command",
+    "quantize": "npumoe.commands.quantize:quantize_command",
     "bench": "npumoe.cli:bench",
 }
 
 BENCHMARKS = {
-    "runtime": "npumoe.core.bench:bench_runtime_command",
-    "lut": "npumoe.luts.bench:bench_lut_command",
-    "hvx": "npumoe.luts.hvx.bench:bench_hvx_command",
-    "scale": "npumoe.bench_scale:bench_scale_command",
+    "runtime": "npumoe.commands.bench_runtime:bench_runtime_command",
+    "lut": "npumoe.commands.bench_lut:bench_lut_command",
+    "hvx": "npumoe.commands.bench_hvx:bench_hvx_command",
+    "scale": "npumoe.commands.bench_scale:bench_scale_command",
 }
 
 

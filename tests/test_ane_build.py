@@ -24,7 +24,7 @@ from npumoe.cli import main
 from npumoe.core.artifacts import build
 from npumoe.core.calibrate import calibrate
 from npumoe.core.plan import plan
-from npumoe.core.plan_cli import default_calibration_texts
+from npumoe.core.calibrate import default_calibration_texts
 from npumoe.core.program import build_program
 from npumoe.errors import BackendUnavailableError
 
@@ -129,7 +129,7 @@ def test_int4_packages_run_exactly_the_quantized_model(model, ane_plan, int4):
     """Every NPU launch of a real int4 run against the reference executor on the same inputs, given the
     dequantized weights: only fp16 arithmetic may differ (end to end, a near-tie routing flip would hide it)."""
     import torch
-    from npumoe.backends.cpu.executor import TorchGraphExecutor
+    from npumoe.core.interpreter import TorchGraphExecutor
 
     out, manifest = int4
     weights = ChainMap({n: torch.from_numpy(np.asarray(w, dtype=np.float32))

@@ -210,7 +210,7 @@ def test_unknown_precision_and_toolchain(small, tmp_path, capsys):
     assert "--via 'tflite' is not one of coreml, executorch" in err
     err = cli_error(capsys, "build", "--model", str(path), "--plan", str(path / "plan.json"), "--target", "ane",
                     "--soc", "69", "--out", str(tmp_path / "out"))
-    assert "--soc does not apply to the ANE" in err
+    assert "--soc does not apply to target ane; its build options are: --via, --precision" in err
 
 
 def test_artifacts_of_another_target_are_refused(small, lm_head_package):

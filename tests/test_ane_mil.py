@@ -14,7 +14,7 @@ from npumoe.backends.apple_ane.layout import LOWER
 from npumoe.backends.apple_ane.mil_exec import blockwise_shift_scale, lut_to_dense
 from npumoe.backends.apple_ane.mlpackage import SPEC_PATH, BlobFile, Package
 from npumoe.backends.apple_ane.passes import SLICED_Q_MIN_SEQ, SLICED_Q_SLICE
-from npumoe.backends.cpu.executor import TorchGraphExecutor
+from npumoe.core.interpreter import TorchGraphExecutor
 from npumoe.core.graphs import attention_graph
 from npumoe.core.runtime.kvcache import attention_mask
 

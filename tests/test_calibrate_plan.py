@@ -115,10 +115,12 @@ def test_plan_for_another_model_is_refused(model, profile, tmp_path):
 
 
 def test_infeasible_plan_names_the_limit(model, profile, monkeypatch):
-    from npumoe.backends.apple_ane import caps as ane_caps
     from dataclasses import replace
 
-    monkeypatch.setattr(ane_caps, "ANE_CAPS", replace(ane_caps.ANE_CAPS, max_graph_bytes=100))
+    from npumoe.core import backend
+
+    tiny = replace(backend.capabilities("ane"), max_graph_bytes=100)
+    monkeypatch.setattr("npumoe.core.plan.capabilities", lambda t: tiny if t == "ane" else backend.capabilities(t))
     with pytest.raises(InputError, match="one expert needs .* GB but a ane graph may hold"):
         plan(model, profile, target="ane")
 

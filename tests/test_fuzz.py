@@ -30,7 +30,7 @@ from npumoe.backends.cpu import CpuBackend
 from npumoe.cli import main
 from npumoe.core.artifacts import MANIFEST, build, load_executors
 from npumoe.core.program import build_program
-from npumoe.errors import ArtifactError, NpumoeError
+from npumoe.errors import NpumoeError
 
 # -- profiles ---------------------------------------------------------------------------------------
 settings.register_profile(

@@ -31,7 +31,7 @@ from npumoe.cli import main
 from npumoe.core.artifacts import build
 from npumoe.core.calibrate import calibrate
 from npumoe.core.plan import Plan, plan
-from npumoe.core.plan_cli import default_calibration_texts
+from npumoe.core.calibrate import default_calibration_texts
 from npumoe.errors import ArtifactError, InputError
 
 
@@ -254,7 +254,7 @@ def test_executorch_attention_fp16_and_experts_16a8w(model, htp_plan, tmp_path):
     the reference executor on inputs recorded from the reference program."""
     pytest.importorskip("executorch", reason="executorch is not installed (pip install executorch==1.5.1)")
     import torch
-    from npumoe.backends.cpu.executor import TorchGraphExecutor
+    from npumoe.core.interpreter import TorchGraphExecutor
     from npumoe.backends.qualcomm_htp.calibration import capture
     from npumoe.backends.qualcomm_htp.pte import PteExecutor, save_pte
     from npumoe.backends.qualcomm_htp.qnn import chipset

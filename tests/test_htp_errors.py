@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed (pip install 'npumoe[htp]')")
 pytest.importorskip("onnx")
 
-from npumoe.backends.base import get_backend
+from npumoe.core.backend import get_backend
 from npumoe.backends.qualcomm_htp import HtpBackend, onnx_graph, qnn
 from npumoe.core.ir import Graph, GraphBuilder, Op, TensorType, w
 from npumoe.errors import BackendUnavailableError, InputError

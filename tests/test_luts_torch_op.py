@@ -75,7 +75,7 @@ def test_wrong_input_width_is_refused(layer):
 def test_bf16_linear_widens_the_weight_exactly(rows):
     """The CPU executor's linear on a bf16 matrix: the kernel for few rows, torch past them; either way
     fp32 math on the widened weights (torch's F.linear on w.float() is the truth)."""
-    from npumoe.backends.cpu.executor import OP_IMPLS
+    from npumoe.core.interpreter import OP_IMPLS
     from npumoe.luts.torch_op import BF16_GEMV_MAX_ROWS, bf16_linear
 
     torch.manual_seed(rows)

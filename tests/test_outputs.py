@@ -51,7 +51,7 @@ def test_build_keeps_a_file(plan_path, tmp_path, capsys):
 
 
 def test_outputs_of_another_kind_are_refused_before_work(model, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("npumoe.core.plan_cli.calibrate", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr("npumoe.commands.plan.calibrate", lambda *a, **k: pytest.fail("work started"))
     mine = tmp_path / "notes.json"
     mine.write_text("{}")
     assert "exists and is not a routing profile" in cli_error(capsys, "calibrate", "--out", str(mine))
@@ -64,7 +64,7 @@ def test_outputs_of_another_kind_are_refused_before_work(model, tmp_path, capsys
 
 
 def test_unwritable_outputs_are_refused_before_work(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("npumoe.core.plan_cli.calibrate", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr("npumoe.commands.plan.calibrate", lambda *a, **k: pytest.fail("work started"))
     (tmp_path / "f").write_text("")
     assert f"cannot be created: {tmp_path / 'f'} is a file, not a directory" in cli_error(
         capsys, "calibrate", "--out", str(tmp_path / "f" / "sub" / "p.json"))

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from npumoe.backends.cpu.executor import TorchGraphExecutor
+from npumoe.core.interpreter import TorchGraphExecutor
 from npumoe.core.graphs import experts_graph
 from npumoe.core.program import ExpertGroup
 from npumoe.core.runtime.metrics import Metrics

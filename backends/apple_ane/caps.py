@@ -1,10 +1,11 @@
-"""What the planner may assume about the Apple Neural Engine, derived from the lint's rule table.
+"""The Apple Neural Engine as the registry knows it: what the planner may assume (derived from the lint's rule
+table) and what its build takes.
 
 No coremltools import needed: the planner reads this without the toolchain installed.
 """
 
 from npumoe.backends.apple_ane import rules
-from npumoe.backends.base import Capabilities
+from npumoe.core.backend import BackendPlugin, BuildOption, Capabilities
 
 ANE_CAPS = Capabilities(
     name="ane",
@@ -22,5 +23,14 @@ ANE_CAPS = Capabilities(
         f"≤ {rules.MAX_PACKAGE_BYTES['macos'] / 1e9:g} GB on macOS",
         "FP16 compute only",
         "rule table: npumoe.backends.apple_ane.rules (checked by npumoe lint)",
+    ),
+)
+
+PLUGIN = BackendPlugin(
+    name="ane", caps=ANE_CAPS, factory="npumoe.backends.apple_ane:AneBackend", extra="ane",
+    summary="Apple Neural Engine through Core ML (or ExecuTorch); runs here in npumoe's MIL interpreter",
+    options=(
+        BuildOption("via", "toolchain: coreml (default; .mlpackage) | executorch (.pte)"),
+        BuildOption("precision", "fp16 (default) | int4 (blockwise) | palettize4 | palettize2"),
     ),
 )

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from npumoe.backends.apple_ane.kvstate import STATE_NAMES, KVState
 from npumoe.backends.apple_ane.rules import POSITION_INPUT
-from npumoe.backends.cpu.executor import value_shapes
+from npumoe.core.interpreter import value_shapes
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op
 
 # Output channels per 1×1 conv: a wider linear (an LM head) becomes several convs and a concat.

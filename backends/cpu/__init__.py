@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-from npumoe.backends.base import BackendBase, Capabilities
-from npumoe.backends.cpu.executor import OP_IMPLS, TorchGraphExecutor
-from npumoe.core.ir import OPS
-
-CPU_CAPS = Capabilities(
-    name="cpu",
-    ops=frozenset(OPS),
-    dtypes=("float32",),
-    static_shapes=False,
-    alignment=1,
-    dispatch_seconds=5e-6,  # a Python call into torch: measured order of magnitude on x86
-    flops_per_second=5e10,
-    notes=("reference executor: fp32 torch, any shape",),
-)
+from npumoe.backends.base import BackendBase
+from npumoe.backends.cpu.caps import CPU_CAPS
+from npumoe.core.interpreter import TorchGraphExecutor
 
 
 class CpuBackend(BackendBase):
@@ -31,4 +20,4 @@ class CpuBackend(BackendBase):
         return TorchGraphExecutor(graph, weights)
 
 
-__all__ = ["CpuBackend", "CPU_CAPS", "TorchGraphExecutor", "OP_IMPLS"]
+__all__ = ["CpuBackend", "CPU_CAPS"]

@@ -26,7 +26,7 @@ PER_GRAPH = 16
 
 
 def default_text() -> str:
-    from npumoe.core.plan_cli import default_calibration_texts
+    from npumoe.core.calibrate import default_calibration_texts
 
     return "".join(default_calibration_texts().values())
 

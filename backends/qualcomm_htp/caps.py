@@ -1,6 +1,6 @@
 """What the planner may assume about the Hexagon NPU (HTP). No toolchain import needed."""
 
-from npumoe.backends.base import Capabilities
+from npumoe.core.backend import BackendPlugin, BuildOption, Capabilities
 from npumoe.core.ir import OPS
 
 HTP_CAPS = Capabilities(
@@ -16,5 +16,18 @@ HTP_CAPS = Capabilities(
     notes=(
         "static shapes only; no data-dependent ops inside graphs",
         "max context bytes 4 GB (HTP virtual address space per session)",
+    ),
+)
+
+PLUGIN = BackendPlugin(
+    name="htp", caps=HTP_CAPS, factory="npumoe.backends.qualcomm_htp:HtpBackend", extra="htp",
+    summary="Qualcomm Hexagon NPU through QNN (ONNX Runtime's QNN EP or ExecuTorch); runs here on QNN's x86_64 HTP",
+    options=(
+        BuildOption("via", "toolchain: onnx (default; QNN context binaries) | executorch (.pte)"),
+        BuildOption("precision", "fp16 (default) | w8a16 | w4a16 (QDQ weights, 16-bit activations)"),
+        BuildOption("soc", "Snapdragon SoC model number: 69 = 8 Elite (default), 57 = 8 Gen 3, 43 = 8 Gen 2, "
+                           "60 = X Elite"),
+        BuildOption("keep_onnx", "also keep each graph's ONNX model (fp32 weights), which npumoe hub compile "
+                                 "needs; off, only the context binaries are kept", flag=True),
     ),
 )

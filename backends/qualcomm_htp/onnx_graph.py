@@ -202,7 +202,7 @@ def to_onnx(graph: Graph, weights: Mapping[str, torch.Tensor]):
     for op in graph.ops:
         if op.op not in LOWERINGS:
             raise UnsupportedOp(op)
-    from npumoe.backends.cpu.executor import value_shapes
+    from npumoe.core.interpreter import value_shapes
 
     b = _Builder(weights, value_shapes(graph, weights))
     for op in graph.ops:

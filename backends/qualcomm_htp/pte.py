@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from npumoe.backends.cpu.executor import OP_IMPLS
+from npumoe.core.interpreter import OP_IMPLS
 from npumoe.core.ir import WEIGHT_PREFIX, Graph
 from npumoe.errors import BackendUnavailableError, InputError
 

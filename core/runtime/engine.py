@@ -12,9 +12,9 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from npumoe.backends.base import Executor
-from npumoe.backends.cpu.executor import TorchGraphExecutor
+from npumoe.core.backend import Executor
 from npumoe.core.graphs import experts_graph
+from npumoe.core.interpreter import TorchGraphExecutor
 from npumoe.core.program import Program, build_program
 from npumoe.core.rope import cos_sin, short_context
 from npumoe.core.runtime.kvcache import KVCache, attention_mask
@@ -74,9 +74,8 @@ class Engine:
         if npu and backend == "cpu":
             execs.update({g.name: TorchGraphExecutor(g, weights) for g in npu})
         elif npu:
-            from npumoe.backends.base import get_backend
             from npumoe.core.artifacts import load_executors
-
+            from npumoe.core.backend import get_backend
 
             execs.update(load_executors(get_backend(backend, **self.backend_options), artifacts, npu, weights,
                                         self.model))

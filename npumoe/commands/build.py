@@ -8,8 +8,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from npumoe.commands.options import build_options, chosen_build_options, dtype_option, model_option, target_option
 from npumoe.core.artifacts import build
-from npumoe.core.cli import dtype_option, model_option
 from npumoe.core.plan import Plan
 from npumoe.errors import InputError
 from npumoe.models.loader import load
@@ -19,29 +19,23 @@ from npumoe.models.loader import load
 @model_option
 @dtype_option
 @click.option("--plan", "plan_path", required=True, type=click.Path(), help="Plan from npumoe plan.")
-@click.option("--target", type=click.Choice(["htp", "ane"]), required=True, help="Qualcomm HTP or Apple ANE.")
+@target_option(None, "Where the artifacts will run.", npu_only=True)
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory (replaced only when complete).")
 @click.option("--max-context", default=512, show_default=True, type=click.IntRange(1),
               help="KV cache length compiled into the attention graphs.")
-@click.option("--via", default=None, help="Toolchain: htp: onnx (default) | executorch; ane: coreml (default) | executorch.")
-@click.option("--precision", default=None, help="htp: fp16 | w8a16 | w4a16; ane: fp16 | int4 | palettize4 | palettize2.")
-@click.option("--soc", default=None, help="htp: Snapdragon SoC model number (69 = 8 Elite, 57 = 8 Gen 3).")
 @click.option("--layers", default=None, help="Build only these layers' graphs, e.g. 0 or 0-3,7: a quick look at a "
                                              "large model (the result does not run).")
 @click.option("--jobs", default=1, show_default=True, type=click.IntRange(1),
               help="Compile this many units (graphs; ANE: packages) at once, each in its own process: faster on a "
                    "machine with cores and memory to spare (each holds one unit's weights while it compiles).")
-@click.option("--keep-onnx", is_flag=True, help="htp: also keep each graph's ONNX model (fp32 weights), which "
-                                                 "npumoe hub compile needs; off, only the context binaries are kept.")
-def build_command(model_dir, dtype, plan_path, target, out, max_context, via, precision, soc, layers, jobs,
-                  keep_onnx):
+@build_options
+def build_command(model_dir, dtype, plan_path, target, out, max_context, layers, jobs, **options):
     """Compile every NPU-placed graph of the plan, write the artifacts and manifest.json.
 
     Example: npumoe build --plan plan.json --target htp --precision w8a16 --out build/htp
     """
     model = load(model_dir, dtype=dtype)
-    options = {k: v for k, v in {"via": via, "precision": precision, "soc": soc, "keep_onnx": keep_onnx or None}.items()
-               if v is not None}
+    options = chosen_build_options(target, options)
     manifest = build(model, Plan.load(plan_path), target, out, max_context=max_context,
                      layers=parse_layers(layers) if layers else None, jobs=jobs, **options)
     table = Table("graph", "kind", "inputs", "MB", "compile s", "files")

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-
 import click
 from rich.console import Console
 from rich.table import Table
 
-from npumoe.core.calibrate import PROFILE, RoutingProfile, calibrate, overlap_at_k
-from npumoe.core.cli import dtype_option, model_option
+from npumoe.commands.options import dtype_option, model_option, target_option
+from npumoe.core.calibrate import PROFILE, RoutingProfile, calibrate, default_calibration_texts, overlap_at_k
 from npumoe.core.io import existing_file
 from npumoe.core.outputs import claim
 from npumoe.core.plan import MAX_TIERS, METHODS, OVERFLOW_POLICIES, PLAN, RESIDENCY, plan
 from npumoe.errors import InputError
 from npumoe.models.loader import load
-
-
-def default_calibration_texts() -> dict[str, str]:
-    """Python's own documentation topics: always on disk, so calibration needs no download."""
-    import pydoc_data.topics
-
-    return {f"pydoc_data.topics:{k}": v for k, v in sorted(pydoc_data.topics.topics.items())}
 
 
 def read_texts(paths: tuple[str, ...]) -> dict[str, str]:
@@ -98,7 +90,7 @@ def print_overlap(console: Console, a: RoutingProfile, b: RoutingProfile) -> Non
 @click.command("plan")
 @model_option
 @click.option("--profile", "profile_path", required=True, type=click.Path(), help="Profile from npumoe calibrate.")
-@click.option("--target", type=click.Choice(["cpu", "htp", "ane"]), default="htp", show_default=True)
+@target_option("htp", "The device whose Capabilities shape the plan.")
 @click.option("--overflow", type=click.Choice(OVERFLOW_POLICIES), default="spill", show_default=True,
               help="Tokens past capacity: spill to CPU (lossless), drop (lowest saliency), reroute.")
 @click.option("--residency", type=click.Choice(RESIDENCY), default="auto", show_default=True,

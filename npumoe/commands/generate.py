@@ -10,12 +10,12 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from npumoe.commands.options import dtype_option, model_option, target_option
 from npumoe.core.calibrate import LoadRecorder
 from npumoe.core.outputs import claim
 from npumoe.core.runtime.engine import DEFAULT_CHUNK, Engine
-from npumoe.core.weights import DTYPE_POLICIES
 from npumoe.errors import InputError
-from npumoe.models.loader import DEMO_DIR, load
+from npumoe.models.loader import load
 
 DEMO_PROMPT = "def fibonacci(n):\n    "
 
@@ -35,21 +35,6 @@ def prompt_ids(model, prompt: str | None, ids: str | None) -> list[int]:
     return model.tokenizer.encode(prompt)
 
 
-def model_option(f):
-    return click.option(
-        "--model", "model_dir", default=str(DEMO_DIR), show_default="the shipped demo model", type=click.Path(),
-        help="Hugging Face checkpoint directory (config.json + *.safetensors).",
-    )(f)
-
-
-def dtype_option(f):
-    return click.option(
-        "--dtype", default="auto", show_default=True, type=click.Choice(DTYPE_POLICIES),
-        help="Compute dtype of the weight matrices: auto = float32 when an fp32 copy fits comfortably in free "
-             "memory, else the checkpoint's stored dtype (norms, router and attention scores stay fp32).",
-    )(f)
-
-
 @click.command("generate")
 @model_option
 @dtype_option
@@ -59,8 +44,7 @@ def dtype_option(f):
 @click.option("--chunk", default=DEFAULT_CHUNK, show_default=True, type=click.IntRange(1), help="Prefill chunk size (static graph length).")
 @click.option("--max-context", default=None, type=click.IntRange(1), help="KV cache length [default: min(model max, 512)].")
 @click.option("--plan", "plan_path", default=None, type=click.Path(), help="Run under a plan (npumoe plan --out).")
-@click.option("--target", type=click.Choice(["cpu", "htp", "ane"]), default="cpu", show_default=True,
-              help="Where NPU-placed graphs run; htp/ane need --artifacts from npumoe build.")
+@target_option("cpu", "Where NPU-placed graphs run; an NPU target needs --artifacts from npumoe build.")
 @click.option("--artifacts", default=None, type=click.Path(), help="Artifact directory from npumoe build.")
 @click.option("--trace", "trace_path", default=None, type=click.Path(),
               help="Write a Chrome trace of host steps (and, for htp, the HTP's per-graph profile) here.")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import click
 import torch
-from npumoe.core.spec import ModelSpec, MoESpec
-from npumoe.core.weights import attention_shapes, expected_shapes, mlp_shapes
-from npumoe.core.tensorfile import FLOAT_DTYPES
-from npumoe.models.loader import DEMO_DIR, is_gptq, load, open_checkpoint
-from npumoe.models.stored_formats import stored_format
 from rich.console import Console
 from rich.table import Table
+
+from npumoe.core.spec import ModelSpec, MoESpec
+from npumoe.core.tensorfile import FLOAT_DTYPES
+from npumoe.core.weights import attention_shapes, expected_shapes, mlp_shapes
+from npumoe.models.loader import DEMO_DIR, is_gptq, load, open_checkpoint
+from npumoe.models.stored_formats import stored_format
 
 
 def _count(shapes: dict) -> int:

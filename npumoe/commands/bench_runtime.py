@@ -20,9 +20,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from npumoe.backends.cpu.executor import TorchGraphExecutor
 from npumoe.core.calibrate import RoutingProfile, calibrate
 from npumoe.core.graphs import experts_graph
+from npumoe.core.interpreter import TorchGraphExecutor
 from npumoe.core.plan import optimal_tiers, plan
 from npumoe.core.program import ExpertGroup
 from npumoe.core.runtime.metrics import Metrics

@@ -1,0 +1,18 @@
+"""The CPU reference backend's registry record: any shape, every op, fp32 torch."""
+
+from npumoe.core.backend import BackendPlugin, Capabilities
+from npumoe.core.ir import OPS
+
+CPU_CAPS = Capabilities(
+    name="cpu",
+    ops=frozenset(OPS),
+    dtypes=("float32",),
+    static_shapes=False,
+    alignment=1,
+    dispatch_seconds=5e-6,  # a Python call into torch: measured order of magnitude on x86
+    flops_per_second=5e10,
+    notes=("reference executor: fp32 torch, any shape",),
+)
+
+PLUGIN = BackendPlugin(name="cpu", caps=CPU_CAPS, factory="npumoe.backends.cpu:CpuBackend",
+                       summary="the reference interpreter on this CPU (any shape; runs unplanned graphs)")

@@ -1,0 +1,156 @@
+"""The backend plugin contract and its registry: what porting npumoe to a new NPU means.
+
+A backend package registers one :class:`BackendPlugin` under the ``npumoe.backends`` entry-point
+group (the built-in cpu, htp and ane register theirs in npumoe's own pyproject, exactly as a third
+party would). The plugin record is cheap to import: it names the device's :class:`Capabilities`
+(all the planner knows), the build options the CLI offers, the pip extra that installs the
+toolchain, and the ``module:Class`` of the backend itself, imported only when something is built
+or run. So `plan` and `--help` never import a toolchain, and core never imports a concrete backend.
+
+The backend object (compare ggml's backend vtable) has ``caps``, ``lower(graph, weights, out_dir)``
+(compile one static IR graph into an artifact), ``load(artifact, out_dir, graph, weights)`` (an
+executor: named input tensors → named output tensors at the graph's static shapes), ``calibrate``,
+``build`` and ``describe``; ``npumoe.backends.base.BackendBase`` supplies defaults for the last three.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from npumoe.core.ir import Graph
+from npumoe.errors import BackendUnavailableError, InputError
+
+API_VERSION = 1
+"""Bumped whenever the contract below changes incompatibly; a plugin built for another is refused."""
+
+ENTRY_POINT_GROUP = "npumoe.backends"
+
+Executor = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the planner may assume about a device. Honest numbers, with their source."""
+
+    name: str
+    ops: frozenset[str]
+    dtypes: tuple[str, ...] = ("float32",)
+    static_shapes: bool = True
+    alignment: int = 1  # capacities and channel counts are multiples of this
+    pow2_state_dims: bool = False
+    max_states: int | None = None
+    max_graph_bytes: int = 1 << 62  # weights one graph may carry
+    max_graphs: int | None = None  # graphs one model may load at once
+    dispatch_seconds: float = 0.0  # fixed cost of one launch, host round trip included
+    flops_per_second: float = 1e10  # sustained for the expert FFN shapes we emit
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def align(self, n: int) -> int:
+        return -(-n // self.alignment) * self.alignment
+
+
+@dataclass(frozen=True)
+class BuildOption:
+    """One option a backend's build takes; the CLI offers it as ``--NAME`` (``flag``: an on/off switch)."""
+
+    name: str
+    help: str
+    choices: tuple[str, ...] | None = None
+    flag: bool = False
+
+    @property
+    def flag_name(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+@dataclass(frozen=True)
+class BackendPlugin:
+    """A backend as the registry knows it, without its toolchain imported."""
+
+    name: str
+    caps: Capabilities
+    factory: str  # "module:Class" of the backend, imported on use
+    summary: str  # one line for --help, e.g. "Qualcomm Hexagon NPU through QNN"
+    extra: str | None = None  # `pip install npumoe[EXTRA]` installs its toolchain
+    options: tuple[BuildOption, ...] = ()
+    api_version: int = API_VERSION
+
+
+class Backend(Protocol):
+    name: str
+    caps: Capabilities
+
+    def lower(self, graph: Graph, weights: Mapping[str, torch.Tensor], out_dir: Path) -> dict[str, Any]: ...
+
+    def load(self, artifact: dict[str, Any], out_dir: Path, graph: Graph, weights: Mapping[str, torch.Tensor]) -> Executor: ...
+
+    def calibrate(self, model, plan, max_context: int, names: list[str]) -> None: ...
+
+    def build(self, graphs: list[Graph], weights, out_dir: Path, progress: bool = True,
+              jobs: int = 1) -> dict[str, dict]: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+@cache
+def _registry() -> tuple[dict[str, BackendPlugin], dict[str, str]]:
+    """Installed backends by name (cpu first, then alphabetically), and those that failed to register
+    with the reason: a broken third-party package is reported when named, not when any command runs."""
+    found: dict[str, BackendPlugin] = {}
+    broken: dict[str, str] = {}
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: (ep.name != "cpu", ep.name)):
+        try:
+            record = ep.load()
+        except Exception as err:  # any import failure of someone else's package
+            broken[ep.name] = f"its plugin {ep.value} failed to import ({err})"
+            continue
+        if not isinstance(record, BackendPlugin) or record.name != ep.name:
+            broken[ep.name] = f"entry point {ep.value} is not a BackendPlugin named {ep.name!r} (see PORTING.md)"
+        elif record.api_version != API_VERSION:
+            broken[ep.name] = (f"it was written for npumoe's backend API {record.api_version}, this npumoe has "
+                               f"{API_VERSION}; upgrade one of them")
+        else:
+            found[ep.name] = record
+    if "cpu" not in found:
+        raise BackendUnavailableError("npumoe's built-in backends are not registered: reinstall it with "
+                                      "`pip install -e .` (entry points are package metadata).")
+    return found, broken
+
+
+def plugins() -> dict[str, BackendPlugin]:
+    """Every installed, loadable backend by name."""
+    return _registry()[0]
+
+
+def plugin(name: str) -> BackendPlugin:
+    found, broken = _registry()
+    if name in broken:
+        raise BackendUnavailableError(f"backend {name!r} is installed but unusable: {broken[name]}.")
+    if name not in found:
+        raise InputError(f"unknown target {name!r}; installed: {', '.join(found)}.")
+    return found[name]
+
+
+def capabilities(target: str) -> Capabilities:
+    """A target's Capabilities, without importing its toolchain."""
+    return plugin(target).caps
+
+
+def get_backend(name: str, **options) -> Backend:
+    """The backend object, its toolchain imported; options are its declared build options."""
+    record = plugin(name)
+    module, attr = record.factory.split(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        hint = f"; install it with pip install 'npumoe[{record.extra}]'" if record.extra else ""
+        raise BackendUnavailableError(f"backend {name!r} could not be loaded ({err}){hint}.") from err
+    return cls(**options)

@@ -1,0 +1,57 @@
+"""Options several commands share, so each reads and helps the same everywhere."""
+
+from __future__ import annotations
+
+import click
+
+from npumoe.core.backend import BuildOption, plugin, plugins
+from npumoe.core.weights import DTYPE_POLICIES
+from npumoe.errors import InputError
+from npumoe.models.loader import DEMO_DIR
+
+
+def model_option(f):
+    return click.option(
+        "--model", "model_dir", default=str(DEMO_DIR), show_default="the shipped demo model", type=click.Path(),
+        help="Hugging Face checkpoint directory (config.json + *.safetensors).",
+    )(f)
+
+
+def dtype_option(f):
+    return click.option(
+        "--dtype", default="auto", show_default=True, type=click.Choice(DTYPE_POLICIES),
+        help="Compute dtype of the weight matrices: auto = float32 when an fp32 copy fits comfortably in free "
+             "memory, else the checkpoint's stored dtype (norms, router and attention scores stay fp32).",
+    )(f)
+
+
+def target_option(default: str | None, help: str, npu_only: bool = False):
+    """``--target``, its choices the installed backends (an entry-point plugin appears with no edit here)."""
+    names = [name for name in plugins() if not (npu_only and name == "cpu")]
+    lines = "; ".join(f"{name}: {plugins()[name].summary}" for name in names)
+    return click.option("--target", type=click.Choice(names), default=default, required=default is None,
+                        show_default=default is not None, help=f"{help} Installed: {lines}.")
+
+
+def build_options(f):
+    """Every installed backend's declared build options, each ``--NAME``; help says which target takes what."""
+    declared: dict[str, list[tuple[str, BuildOption]]] = {}
+    for name, record in plugins().items():
+        for option in record.options:
+            declared.setdefault(option.name, []).append((name, option))
+    for name, owners in reversed(declared.items()):
+        text = "; ".join(f"{target}: {option.help}" for target, option in owners)
+        f = click.option(owners[0][1].flag_name, name, is_flag=owners[0][1].flag, default=None, help=text + ".")(f)
+    return f
+
+
+def chosen_build_options(target: str, values: dict) -> dict:
+    """The build options given on the command line, refused when ``target`` does not declare them."""
+    given = {name: value for name, value in values.items() if value not in (None, False)}
+    declared = {option.name: option for option in plugin(target).options}
+    for name in given:
+        if name not in declared:
+            accepted = ", ".join(o.flag_name for o in declared.values()) or "none"
+            raise InputError(f"--{name.replace('_', '-')} does not apply to target {target}; its build options "
+                             f"are: {accepted}.")
+    return given

@@ -72,6 +72,16 @@ class BuildOption:
 
 
 @dataclass(frozen=True)
+class Conformance:
+    """What the conformance suite holds a backend to: its declared accuracy against the reference
+    interpreter, and the checks it is excused from, each with the reason (listed, never hidden)."""
+
+    min_cosine: float = 0.9999  # of every output against the interpreter's
+    max_relative_error: float = 1e-4  # max |Δ| / max |reference| per output
+    skips: tuple[tuple[str, str], ...] = ()  # (check id, reason)
+
+
+@dataclass(frozen=True)
 class BackendPlugin:
     """A backend as the registry knows it, without its toolchain imported."""
 
@@ -81,6 +91,7 @@ class BackendPlugin:
     summary: str  # one line for --help, e.g. "Qualcomm Hexagon NPU through QNN"
     extra: str | None = None  # `pip install npumoe[EXTRA]` installs its toolchain
     options: tuple[BuildOption, ...] = ()
+    conformance: Conformance = Conformance()
     api_version: int = API_VERSION
 
 

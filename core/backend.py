@@ -38,23 +38,30 @@ Executor = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What the planner may assume about a device. Honest numbers, with their source."""
+    """What the planner may assume about a device. Honest numbers, with their source; every field is
+    read by the planner (ops and graph bytes decide what the device takes at all; alignment shapes the
+    capacities; launch cost and throughput decide which groups pay for a launch)."""
 
     name: str
-    ops: frozenset[str]
-    dtypes: tuple[str, ...] = ("float32",)
-    static_shapes: bool = True
+    ops: frozenset[str]  # IR ops its lowering takes (core.ir.OPS); a graph with another op runs on the CPU
     alignment: int = 1  # capacities and channel counts are multiples of this
-    pow2_state_dims: bool = False
-    max_states: int | None = None
-    max_graph_bytes: int = 1 << 62  # weights one graph may carry
-    max_graphs: int | None = None  # graphs one model may load at once
+    max_graph_bytes: int = 1 << 62  # fp16 weight bytes one graph may carry
     dispatch_seconds: float = 0.0  # fixed cost of one launch, host round trip included
     flops_per_second: float = 1e10  # sustained for the expert FFN shapes we emit
-    notes: tuple[str, ...] = field(default_factory=tuple)
+    notes: tuple[str, ...] = field(default_factory=tuple)  # shown with every plan for this device
 
     def align(self, n: int) -> int:
         return -(-n // self.alignment) * self.alignment
+
+    def unsupported(self, graph: Graph, weight_bytes: int) -> str | None:
+        """Why this device cannot take ``graph`` (None: it can), from what it claims: ops, then size."""
+        missing = sorted({op.op for op in graph.ops} - self.ops)
+        if missing:
+            return f"{self.name} does not take the op{'s' * (len(missing) > 1)} {', '.join(missing)}"
+        if weight_bytes > self.max_graph_bytes:
+            return (f"its {weight_bytes / 1e9:.2f} GB of weights exceed the {self.max_graph_bytes / 1e9:.2f} GB "
+                    f"one {self.name} graph may hold")
+        return None
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,13 @@ class BackendPlugin:
     options: tuple[BuildOption, ...] = ()
     conformance: Conformance = Conformance()
     api_version: int = API_VERSION
+    # A finer, still toolchain-free check than Capabilities.unsupported (e.g. a rule table): (graph,
+    # fp16 weight bytes) → None or the reason. The planner places graph by graph with it.
+    check: Callable[[Graph, int], str | None] | None = None
+
+    def supports(self, graph: Graph, weight_bytes: int) -> str | None:
+        """None if this backend takes ``graph``, else why not (one clause, for the plan and its table)."""
+        return (self.check or self.caps.unsupported)(graph, weight_bytes)
 
 
 class Backend(Protocol):

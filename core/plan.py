@@ -30,14 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
-from npumoe.core.backend import Capabilities, capabilities
+from npumoe.core.backend import Capabilities, capabilities, plugin
 from npumoe.core.calibrate import RoutingProfile, imbalance
 from npumoe.core.identity import check_weights
 from npumoe.core.io import atomic_write_text, read_json_artifact
 from npumoe.core.outputs import OutputKind, claim, json_kind
-from npumoe.core.program import ExpertGroup
+from npumoe.core.graphs import experts_graph
+from npumoe.core.program import ExpertGroup, build_program
 from npumoe.core.spec import ModelSpec
-from npumoe.core.weights import mlp_shapes
+from npumoe.core.weights import expected_shapes, mlp_shapes
 from npumoe.errors import ArtifactError, InputError
 
 METHODS = ("optimal", "paper", "uniform")
@@ -80,6 +81,9 @@ class Plan:
     predicted: dict = field(default_factory=dict)
     alignment: int = 1
     weights: str | None = None  # weights fingerprint (npumoe.core.identity); None in plans made before it
+    # graphs the target cannot take → why (its declared ops and sizes); they run on the CPU. A layer
+    # whose expert graphs it cannot take is keyed "L{i}.experts" (its groups are then CPU-resident).
+    cpu_graphs: dict[str, str] = field(default_factory=dict)
 
     # -- what the program builder asks ---------------------------------------------------------
     def groups(self, layer: int, seq: int) -> list[ExpertGroup]:
@@ -98,7 +102,10 @@ class Plan:
             for grp, g in zip(self.groups(i, s), lp.groups) if g.residency == "npu"
         }
         for g in graphs.values():
-            g.placement = ("npu" if g.name in npu_groups else "cpu") if g.kind == "experts" else self.dense_placement
+            if g.kind == "experts":
+                g.placement = "npu" if g.name in npu_groups else "cpu"
+            else:
+                g.placement = "cpu" if g.name in self.cpu_graphs else self.dense_placement
 
     def check_model(self, model) -> None:
         if self.model != model.spec.fingerprint():
@@ -164,7 +171,7 @@ class Plan:
 
 
 _JSON_TYPES = {"str": str, "int": int, "float": (int, float), "dict": dict, "list[int]": list, "list[GroupPlan]": list,
-               "dict[int, LayerPlan]": dict, "str | None": (str, type(None))}
+               "dict[int, LayerPlan]": dict, "str | None": (str, type(None)), "dict[str, str]": dict}
 
 
 def _check_fields(cls, data, where: str) -> None:
@@ -339,6 +346,7 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
             raise InputError(f"{name} {value!r} is not one of {', '.join(allowed)}.")
     profile.check_model(model)
     caps, cpu = capabilities(target), capabilities("cpu")
+    cpu_graphs = unsupported_graphs(spec, profile.chunk, target)
     layers: dict[int, LayerPlan] = {}
     for i in spec.moe_layers:
         loads = profile.loads[i]
@@ -354,10 +362,10 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
             members = [e for e in popularity if tier_of[e] == t]
             for experts in make_groups(members, per_expert, caps) if members else []:
                 useful = float(np.minimum(loads[:, experts], cap).sum(axis=1).mean())
-                on_npu = residency == "npu" or (
+                on_npu = f"L{i}.experts" not in cpu_graphs and (residency == "npu" or (
                     residency == "auto" and pays_for_npu(useful, len(experts) * cap, flops_per_token, caps, cpu,
                                                          len(experts))
-                )
+                ))
                 groups.append(GroupPlan(experts, cap if on_npu else 0, "npu" if on_npu else "cpu", useful,
                                         per_expert * len(experts)))
         layers[i] = LayerPlan(tiers, tier_of, groups, predict(loads, groups))
@@ -375,4 +383,24 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
         predicted=totals,
         alignment=caps.alignment,
         weights=model.weights_fingerprint(),
+        cpu_graphs=cpu_graphs,
     )
+
+
+def unsupported_graphs(spec: ModelSpec, chunk: int, target: str) -> dict[str, str]:
+    """Every graph of the program ``target``'s backend cannot take, with the reason: dense graphs by name,
+    and each MoE layer's expert graphs as one (they share their ops and their size per expert)."""
+    record = plugin(target)
+    shapes = expected_shapes(spec) | {"lm_head.weight": (spec.vocab_size, spec.hidden_size)}  # tied or not
+
+    def why_not(graph) -> str | None:
+        weight_bytes = 2 * sum(math.prod(shapes[name]) for name in graph.weight_names())
+        return record.supports(graph, weight_bytes)
+
+    program = build_program(spec, chunk=chunk, max_context=1)  # shapes beyond ops and weights do not matter
+    found = {name: reason for name, g in program.graphs.items() if g.kind != "experts" and (reason := why_not(g))}
+    for i in spec.moe_layers:
+        one = experts_graph(spec, i, (0,), record.caps.alignment, f"L{i}.experts")
+        if reason := why_not(one):
+            found[one.name] = reason
+    return found

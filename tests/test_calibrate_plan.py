@@ -159,3 +159,34 @@ def main_ok(argv):
 
 def test_imbalance_of_balanced_load_is_one():
     assert imbalance(np.full((4, 8), 5)) == 1.0
+
+
+@pytest.mark.parametrize("missing, expect", [("sdpa", "attn"), ("silu", "experts")])
+def test_graphs_a_target_cannot_take_go_to_the_cpu_with_the_reason(model, profile, monkeypatch, missing, expect):
+    """The planner places graph by graph from what a backend claims: a target without ``sdpa`` keeps every
+    attention graph on the CPU, one without ``silu`` every expert group (and the dense SwiGLU graphs); the
+    planned engine still computes the reference's logits."""
+    from dataclasses import replace
+
+    from npumoe.core import backend
+    from npumoe.core.program import build_program
+
+    htp = backend.plugin("htp")
+    partial = replace(htp, caps=replace(htp.caps, ops=htp.caps.ops - {missing}))
+    monkeypatch.setattr("npumoe.core.plan.plugin", lambda t: partial if t == "htp" else backend.plugin(t))
+    p = plan(model, profile, target="htp", residency="npu")
+    spec = model.spec
+    assert p.cpu_graphs and all(reason == f"htp does not take the op {missing}" for reason in p.cpu_graphs.values())
+    placed = build_program(spec, chunk=p.chunk, max_context=64, plan=p).graphs
+    uses = {name for name, g in placed.items() if any(op.op == missing for op in g.ops)}
+    assert all(placed[name].placement == "cpu" for name in uses)
+    assert any(g.placement == "npu" for g in placed.values())  # the rest stays on the NPU
+    if expect == "attn":
+        assert {name for name, g in placed.items() if g.kind == "attention"} == uses
+    else:  # no expert graph at all: every group CPU-resident
+        assert not any(g.kind == "experts" for g in placed.values())
+        assert all(g.residency == "cpu" for lp in p.layers.values() for g in lp.groups)
+        assert {f"L{i}.experts" for i in spec.moe_layers} <= set(p.cpu_graphs)
+    assert Plan.from_json(json.loads(json.dumps(p.to_json()))).cpu_graphs == p.cpu_graphs
+    ids = np.asarray(model.tokenizer.encode("def add(a, b):\n    return a + b\n"))
+    np.testing.assert_allclose(npumoe.Engine(model, plan=p).forward(ids), npumoe.Engine(model).forward(ids), atol=1e-4)

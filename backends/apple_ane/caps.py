@@ -10,11 +10,7 @@ from npumoe.core.backend import BackendPlugin, BuildOption, Capabilities
 ANE_CAPS = Capabilities(
     name="ane",
     ops=rules.ir_ops_on_ane(),
-    dtypes=(rules.COMPUTE_DTYPE,),
-    static_shapes=True,
     alignment=rules.CHANNEL_ALIGNMENT,
-    pow2_state_dims=True,
-    max_states=rules.MAX_STATES,  # one concatenated K and one V state per package
     max_graph_bytes=rules.max_graph_bytes(),  # graph budget, capped by the iOS package limit
     dispatch_seconds=2e-4,  # one Core ML prediction on an ANE-resident function, order of magnitude
     flops_per_second=3e12,  # fp16, sustained for FFN-sized 1×1 convs (M2-class estimate; peak 15.8 T)

@@ -6,8 +6,6 @@ from npumoe.core.ir import OPS
 CPU_CAPS = Capabilities(
     name="cpu",
     ops=frozenset(OPS),
-    dtypes=("float32",),
-    static_shapes=False,
     alignment=1,
     dispatch_seconds=5e-6,  # a Python call into torch: measured order of magnitude on x86
     flops_per_second=5e10,

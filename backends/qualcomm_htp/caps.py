@@ -5,12 +5,9 @@ from npumoe.core.ir import OPS
 
 HTP_CAPS = Capabilities(
     name="htp",
-    ops=frozenset(OPS),
-    dtypes=("float16", "uint16", "uint8", "int4"),
-    static_shapes=True,
+    ops=frozenset(OPS) - {"lut_linear"},  # low-bit weights reach the HTP as QDQ linears (--precision), not LUTs
     alignment=8,  # not required by QNN; keeps token rows on whole HTP tiles
     max_graph_bytes=4 << 30,  # a QNN context binary maps into the HTP's 32-bit (4 GB) address space
-    max_graphs=None,
     dispatch_seconds=3e-4,  # one graphExecute incl. the FastRPC round trip, order of magnitude on phones
     flops_per_second=4e12,  # fp16 HTP on 8 Gen 3-class parts, sustained on FFN-sized matmuls (estimate)
     notes=(

@@ -7,6 +7,7 @@ from rich.console import Console
 from rich.table import Table
 
 from npumoe.commands.options import dtype_option, model_option, target_option
+from npumoe.core.backend import capabilities
 from npumoe.core.calibrate import PROFILE, RoutingProfile, calibrate, default_calibration_texts, overlap_at_k
 from npumoe.core.io import existing_file
 from npumoe.core.outputs import claim
@@ -121,6 +122,10 @@ def plan_command(model_dir, profile_path, target, overflow, residency, method, m
         table.add_row(str(i), "/".join(map(str, lp.tiers)), groups, f"{pr['padded_pct']:.1f}",
                       f"{pr['overflow_pct']:.1f}", f"{pr['npu_launches']:.1f}")
     console.print(table)
+    for name, reason in p.cpu_graphs.items():
+        console.print(f"[yellow]{name}[/yellow] runs on the CPU: {reason}")
+    for note in capabilities(target).notes:
+        console.print(f"[dim]{target}: {note}[/dim]")
     t = p.predicted
     console.print(f"predicted: padded {t['padded_pct']:.1f}% of NPU slots, overflow {t['overflow_pct']:.1f}% "
                   f"of routed ({overflow}), NPU share {t['npu_share_pct']:.1f}%; wrote {out}")

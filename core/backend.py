@@ -33,7 +33,18 @@ API_VERSION = 1
 
 ENTRY_POINT_GROUP = "npumoe.backends"
 
-Executor = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+class Executor(Protocol):
+    """One loaded graph: its declared inputs by name → its declared outputs by name, at static shapes.
+
+    ``keeps_state``: the executor holds the KV cache itself (Core ML states, say). The engine then
+    passes no ``Role.KV_CACHE`` inputs, only ``Role.POSITION``, and still appends the ``Role.KV_NEW``
+    outputs to its own cache (the reference for every other graph)."""
+
+    keeps_state: bool
+
+    def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)

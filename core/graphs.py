@@ -8,7 +8,7 @@ NPU graphs, which is what both HTP context binaries and ANE programs want.
 
 from __future__ import annotations
 
-from npumoe.core.ir import Graph, GraphBuilder, TensorType, w
+from npumoe.core.ir import Graph, GraphBuilder, Role, TensorType, w
 from npumoe.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, NormSpec
 from npumoe.core.weights import expert, layer
 
@@ -132,17 +132,18 @@ def attention_graph(spec: ModelSpec, i: int, seq: int, max_context: int) -> Grap
         layer=i,
         inputs={
             "x": TensorType((seq, hidden)),
-            "cos": TensorType((seq, rot_dim)),
-            "sin": TensorType((seq, rot_dim)),
-            "mask": TensorType((seq, max_context + seq)),
-            "k_cache": TensorType((kv_heads, max_context, att.head_dim)),
-            "v_cache": TensorType((kv_heads, max_context, att.v_head_dim)),
+            "cos": TensorType((seq, rot_dim), role=Role.HOST_TABLE),
+            "sin": TensorType((seq, rot_dim), role=Role.HOST_TABLE),
+            "mask": TensorType((seq, max_context + seq), role=Role.MASK),
+            "k_cache": TensorType((kv_heads, max_context, att.head_dim), role=Role.KV_CACHE),
+            "v_cache": TensorType((kv_heads, max_context, att.v_head_dim), role=Role.KV_CACHE),
+            "position": TensorType((1,), "int32", role=Role.POSITION),
         },
         outputs={
             "h": TensorType((seq, hidden)),
             "z": TensorType((seq, hidden)),
-            "k_new": TensorType((kv_heads, seq, att.head_dim)),
-            "v_new": TensorType((kv_heads, seq, att.v_head_dim)),
+            "k_new": TensorType((kv_heads, seq, att.head_dim), role=Role.KV_NEW, updates="k_cache"),
+            "v_new": TensorType((kv_heads, seq, att.v_head_dim), role=Role.KV_NEW, updates="v_cache"),
         },
         ops=b.ops,
         meta={"seq": seq, "max_context": max_context},

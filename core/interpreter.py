@@ -123,6 +123,8 @@ def value_shapes(graph: Graph, weights: Mapping[str, torch.Tensor]) -> dict[str,
 class TorchGraphExecutor:
     """Binds a graph's weights once; each call runs its ops in order."""
 
+    keeps_state = False  # the cache comes in as inputs, any length (the engine passes only filled slots)
+
     def __init__(self, graph: Graph, weights: Mapping[str, torch.Tensor]):
         self.graph = graph
         self._steps = [self._bind(op, weights) for op in graph.ops]

@@ -3,7 +3,7 @@
 A :class:`Graph` is a straight-line list of :class:`Op` over named values with static shapes.
 Weights are referenced by canonical name (see ``npumoe.models``), never embedded, so one
 set of weights serves every graph and every backend. The op set is deliberately small; the
-CPU executor (``npumoe.backends.cpu``) is its reference semantics:
+interpreter (``npumoe.core.interpreter``) is its reference semantics:
 
 =============  ==================================================================================
 op             semantics (inputs → outputs; attrs)
@@ -27,11 +27,16 @@ transpose      axis permutation                                                 
 slice          x[start:stop] along axis (step 1 or 2)                           ; axis, start, stop, step
 concat         along axis                                                       ; axis
 =============  ==================================================================================
+
+Every graph input and output declares its :class:`Role`, and the engine and every executor act on
+roles, never on names: what is laid out as an activation, what a device may clamp, what a stateful
+executor keeps itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 OPS = frozenset(
@@ -45,10 +50,23 @@ OPS = frozenset(
 WEIGHT_PREFIX = "w:"  # an op input naming a canonical weight rather than a graph value
 
 
+class Role(str, Enum):
+    """What a graph input or output is to the host and to a device."""
+
+    ACTIVATION = "activation"  # [rows, channels] hidden states flowing layer to layer
+    HOST_TABLE = "host_table"  # built by the host per call from positions (rope cos/sin): not an activation
+    MASK = "mask"  # additive attention mask, −inf where masked: a device may floor it at its own −big
+    KV_CACHE = "kv_cache"  # the cache attention reads; an executor that keeps state holds it itself
+    KV_NEW = "kv_new"  # an output: this call's cache rows, appended to the input its ``updates`` names
+    POSITION = "position"  # int32 [1], the cache length before this call: read only by stateful executors
+
+
 @dataclass(frozen=True)
 class TensorType:
     shape: tuple[int, ...]
     dtype: str = "float32"
+    role: Role = Role.ACTIVATION
+    updates: str | None = None  # a KV_NEW output: the KV_CACHE input it extends
 
 
 @dataclass(frozen=True)
@@ -76,6 +94,13 @@ class Graph:
     layer: int | None = None
     placement: str = "cpu"  # "npu" or "cpu": decided by the plan, never by the graph
     meta: dict[str, Any] = field(default_factory=dict)
+
+    def inputs_with(self, role: Role) -> list[str]:
+        return [name for name, t in self.inputs.items() if t.role == role]
+
+    def stateless_inputs(self) -> list[str]:
+        """What an executor that keeps no state takes: every input but the position."""
+        return [name for name, t in self.inputs.items() if t.role != Role.POSITION]
 
     def weight_names(self) -> list[str]:
         seen: dict[str, None] = {}

@@ -99,8 +99,12 @@ def test_missing_onnxruntime_qnn_says_how_to_install(monkeypatch):
 def test_mask_floor_keeps_softmax_finite():
     from npumoe.backends.qualcomm_htp.executor import MASK_FLOOR, encode
 
-    feed = encode(["mask"], {"mask": torch.tensor([[0.0, float("-inf")]])})
+    from npumoe.core.ir import Graph, Role, TensorType
+
+    graph = Graph("g", "attention", {"mask": TensorType((1, 2), role=Role.MASK), "x": TensorType((1, 2))}, {}, [])
+    feed = encode(graph, {"mask": torch.tensor([[0.0, float("-inf")]]), "x": torch.tensor([[0.0, float("-inf")]])})
     np.testing.assert_array_equal(feed["mask"], [[0.0, MASK_FLOOR]])
+    np.testing.assert_array_equal(feed["x"], [[0.0, float("-inf")]])  # only what is declared a mask is floored
 
 
 def test_executorch_after_onnxruntime_qnn_in_one_process_is_refused():

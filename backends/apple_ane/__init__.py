@@ -19,7 +19,7 @@ from pathlib import Path
 from npumoe.backends.apple_ane.caps import ANE_CAPS
 from npumoe.backends.apple_ane.compress import precision_for, scheme
 from npumoe.backends.apple_ane.packaging import PackagePlan, function_name, plan_packages
-from npumoe.backends.apple_ane.rules import DEFAULT_PLATFORM, POSITION_INPUT
+from npumoe.backends.apple_ane.rules import DEFAULT_PLATFORM
 from npumoe.backends.base import BackendBase
 from npumoe.backends.build_cache import BuildUnit, unit_key
 from npumoe.errors import ArtifactError, BackendUnavailableError, InputError
@@ -125,7 +125,7 @@ class AneBackend(BackendBase):
         return {
             "function": function_name(graph),
             "function_inputs": {n: {"shape": list(shapes[n]), "layout": layout,
-                                    "dtype": "int32" if n == POSITION_INPUT else "float16"}
+                                    "dtype": "int32" if module.input_is_int(n) else "float16"}
                                 for n, layout in module.input_layouts().items()},
             "function_outputs": {n: {"ir_shape": list(graph.outputs[n].shape), "layout": layout}
                                  for n, layout in module.output_layouts().items()},
@@ -155,7 +155,7 @@ class AneBackend(BackendBase):
         runtime = self._runtimes[path]
         if artifact["format"] == "mlprogram":
             runtime.package.function(artifact["function"])  # a manifest naming a missing function fails here
-        return AneExecutor(runtime, artifact)
+        return AneExecutor(runtime, artifact, graph)
 
     def describe(self) -> dict:
         return {"name": self.name, "via": self.via, "precision": self.precision,

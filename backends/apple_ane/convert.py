@@ -18,19 +18,14 @@ import torch
 from npumoe.backends.apple_ane import multifunction, passes
 from npumoe.backends.apple_ane.compress import compress
 from npumoe.backends.apple_ane.layout import AneGraphModule
-from npumoe.backends.apple_ane.rules import POSITION_INPUT
 
 DEPLOYMENT_TARGET = ct.target.iOS18  # the same opset as macOS15: states and multifunction need it
-
-
-def _dtype(name: str):
-    return np.int32 if name == POSITION_INPUT else np.float16
 
 
 def convert_graph(module: AneGraphModule, precision: str) -> ct.models.MLModel:
     module = module.half().eval()
     shapes = module.input_shapes()
-    example = tuple(torch.zeros(s, dtype=torch.int32 if n == POSITION_INPUT else torch.float16)
+    example = tuple(torch.zeros(s, dtype=torch.int32 if module.input_is_int(n) else torch.float16)
                     for n, s in shapes.items())
     with torch.no_grad():
         traced = torch.jit.trace(module, example, check_trace=False)
@@ -40,7 +35,8 @@ def convert_graph(module: AneGraphModule, precision: str) -> ct.models.MLModel:
                   for n, s in module.kv.shapes.items()]
     mlmodel = ct.convert(
         traced,
-        inputs=[ct.TensorType(name=n, shape=s, dtype=_dtype(n)) for n, s in shapes.items()],
+        inputs=[ct.TensorType(name=n, shape=s, dtype=np.int32 if module.input_is_int(n) else np.float16)
+                for n, s in shapes.items()],
         outputs=[ct.TensorType(name=n, dtype=np.float16) for n in module.graph.outputs],
         states=states,
         convert_to="mlprogram",

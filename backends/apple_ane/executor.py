@@ -4,8 +4,8 @@ Both take and return the IR graph's named tensors (``h``, ``z``, ``k_new``, ``v_
 ``y`` / ``logits``), translating at the boundary: activations to and from [1, C, 1, S],
 fp32 torch to fp16 and back. Every graph of one package shares one :class:`PackageRuntime`,
 so the prefill and decode functions of an attention package read and write the same K/V
-states (ANEMLL shares one ``make_state()`` across functions the same way). The engine's
-``k_cache``/``v_cache`` inputs are therefore not passed on: the states hold that cache.
+states (ANEMLL shares one ``make_state()`` across functions the same way). Such an executor
+``keeps_state``: the engine passes it no ``Role.KV_CACHE`` inputs, only the position.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch
 from npumoe.backends.apple_ane.layout import from_ane, to_ane
 from npumoe.backends.apple_ane.mil_exec import MilFunction
 from npumoe.backends.apple_ane.mlpackage import NUMPY, Package
+from npumoe.core.ir import Graph, Role
 from npumoe.errors import BackendUnavailableError
 
 
@@ -99,9 +100,11 @@ def runtime_for(path: Path):
 class AneExecutor:
     """One graph's function in a package: IR tensors in, IR tensors out."""
 
-    def __init__(self, runtime, artifact: dict):
+    def __init__(self, runtime, artifact: dict, graph: Graph):
         self.runtime, self.artifact = runtime, artifact
         self.function = artifact["function"]
+        caches = graph.inputs_with(Role.KV_CACHE)  # a function that takes none of them holds them as states
+        self.keeps_state = bool(caches) and not set(caches) & set(artifact["function_inputs"])
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raw = self.runtime.run(self.function, encode_inputs(self.artifact, inputs))

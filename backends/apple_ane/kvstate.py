@@ -13,9 +13,8 @@ import math
 from dataclasses import dataclass
 
 from npumoe.backends.apple_ane.rules import MIN_STATE_DIM
-from npumoe.core.ir import Graph
+from npumoe.core.ir import Graph, Role
 
-STATE_NAMES = ("k_cache", "v_cache")  # the attention graph's cache inputs, kept as state names
 
 
 def pow2_at_least(n: int, floor: int = 1) -> int:
@@ -25,7 +24,7 @@ def pow2_at_least(n: int, floor: int = 1) -> int:
 @dataclass(frozen=True)
 class KVState:
     layers: tuple[int, ...]
-    shapes: dict[str, tuple[int, int, int, int]]  # "k_cache"/"v_cache" → padded state shape
+    shapes: dict[str, tuple[int, int, int, int]]  # cache input name ("k_cache", "v_cache") → padded state shape
 
     @classmethod
     def for_graphs(cls, graphs: list[Graph]) -> KVState:
@@ -34,7 +33,7 @@ class KVState:
         length rounds the capacity up to a whole number of chunks."""
         layers = tuple(sorted({g.layer for g in graphs}))
         shapes = {}
-        for name in STATE_NAMES:
+        for name in graphs[0].inputs_with(Role.KV_CACHE):  # each cache input becomes a state of its name
             heads = max(g.inputs[name].shape[0] for g in graphs)
             length = max(-(-g.inputs[name].shape[1] // g.meta["seq"]) * g.meta["seq"] for g in graphs)
             dim = max(g.inputs[name].shape[2] for g in graphs)

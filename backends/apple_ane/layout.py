@@ -21,17 +21,14 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from npumoe.backends.apple_ane.kvstate import STATE_NAMES, KVState
-from npumoe.backends.apple_ane.rules import POSITION_INPUT
+from npumoe.backends.apple_ane.kvstate import KVState
 from npumoe.core.interpreter import value_shapes
-from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op
+from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op, Role, TensorType
 
 # Output channels per 1×1 conv: a wider linear (an LM head) becomes several convs and a concat.
 # coremltools' fp16 overflow check takes ~40 bytes per weight of one const, so a 50k-row LM head
 # held 4 GB more while converting; at 8192 rows it holds ~0.7 GB.
 CONV_ROWS = 8192
-HOST_TABLES = frozenset({"cos", "sin", "mask"})  # 2-D inputs the host builds; every other 2-D I/O is [S, C]
-NEW_KV = {"k_cache": "k_new", "v_cache": "v_new"}
 
 
 class Val(NamedTuple):
@@ -39,8 +36,9 @@ class Val(NamedTuple):
     act: bool  # True: a logical [S, C] activation held as [1, C, 1, S]
 
 
-def is_activation(name: str, shape: tuple[int, ...]) -> bool:
-    return len(shape) == 2 and name not in HOST_TABLES
+def is_activation(t: TensorType) -> bool:
+    """Held as [1, C, 1, S] on the ANE: declared an activation, and [S, C]."""
+    return t.role == Role.ACTIVATION and len(t.shape) == 2
 
 
 def to_ane(x: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
@@ -92,39 +90,44 @@ class AneGraphModule(torch.nn.Module):
         return self.kv is not None
 
     def input_names(self) -> list[str]:
-        names = [n for n in self.graph.inputs if not (self.stateful and n in STATE_NAMES)]
-        return names + [POSITION_INPUT] if self.stateful else names
+        """The function's inputs: the graph's, less the KV cache a stateful module keeps as states, or less
+        the position only a stateful one reads."""
+        skip = Role.KV_CACHE if self.stateful else Role.POSITION
+        return [n for n, t in self.graph.inputs.items() if t.role != skip]
 
     def input_layouts(self) -> dict[str, str]:
         """"ane" for [S, C] activations fed as [1, C, 1, S], "ir" for everything else."""
-        return {n: "ane" if n != POSITION_INPUT and is_activation(n, self.graph.inputs[n].shape) else "ir"
-                for n in self.input_names()}
+        return {n: "ane" if is_activation(self.graph.inputs[n]) else "ir" for n in self.input_names()}
 
     def input_shapes(self) -> dict[str, tuple[int, ...]]:
         out = {}
         for name, layout in self.input_layouts().items():
-            shape = (1,) if name == POSITION_INPUT else self.graph.inputs[name].shape
+            shape = self.graph.inputs[name].shape
             out[name] = (1, shape[1], 1, shape[0]) if layout == "ane" else shape
         return out
 
+    def input_is_int(self, name: str) -> bool:
+        """Integer inputs (the position) stay int32; every other input is fp16 on the device."""
+        return self.graph.inputs[name].dtype == "int32"
+
     def output_layouts(self) -> dict[str, str]:
-        return {n: "ane" if is_activation(n, t.shape) else "ir" for n, t in self.graph.outputs.items()}
+        return {n: "ane" if is_activation(t) else "ir" for n, t in self.graph.outputs.items()}
 
     # -- tracing ----------------------------------------------------------------------------------
     def forward(self, *args: torch.Tensor):
         env: dict[str, Val] = {}
         names = self.input_names()
         for name, t in zip(names, args):
-            if name != POSITION_INPUT:
+            if self.graph.inputs[name].role != Role.POSITION:
                 env[name] = Val(t, self.input_layouts()[name] == "ane")
         if self.stateful:
-            for name in STATE_NAMES:
+            for name in self.graph.inputs_with(Role.KV_CACHE):
                 heads, length, dim = self.shapes[name]
                 env[name] = Val(getattr(self, name)[self.kv.slot(self.graph.layer), :heads, :length, :dim], False)
         for op in self.graph.ops:
             env[op.outputs[0]] = LOWER[op.op](self, op, [self._arg(n, env) for n in op.inputs], **op.a)
         if self.stateful:
-            self._write_states(env, args[names.index(POSITION_INPUT)])
+            self._write_states(env, args[names.index(self.graph.inputs_with(Role.POSITION)[0])])
         return tuple(self.as_act((n, env[n])) if layout == "ane" else self.logical(env[n], n)
                      for n, layout in self.output_layouts().items())
 
@@ -140,7 +143,10 @@ class AneGraphModule(torch.nn.Module):
             p = p.item()
             torch._check(p >= 0)
             torch._check(p + self.graph.meta["seq"] <= min(shape[2] for shape in self.kv.shapes.values()))
-        for state, new in NEW_KV.items():
+        for new, t in self.graph.outputs.items():
+            if t.role != Role.KV_NEW:
+                continue
+            state = t.updates
             heads, seq, dim = self.shapes[new]
             getattr(self, state)[slot:slot + 1, :heads, p:p + seq, :dim] = self.logical(env[new], new)[None]
 

@@ -22,7 +22,6 @@ import torch
 
 from npumoe.backends.apple_ane.compress import INT4_BLOCK
 from npumoe.backends.apple_ane.layout import AneGraphModule
-from npumoe.backends.apple_ane.rules import POSITION_INPUT
 from npumoe.errors import BackendUnavailableError
 
 SKIPPED_PASSES = ("common::canonicalize_inplace_pattern", "common::prefer_state_in_downstream")
@@ -57,7 +56,7 @@ def save_pte(modules: dict[str, AneGraphModule], path: Path, precision: str) -> 
     programs = {}
     for name, module in modules.items():
         module = module.float().eval()
-        example = tuple(torch.zeros(s, dtype=torch.int32 if n == POSITION_INPUT else torch.float32)
+        example = tuple(torch.zeros(s, dtype=torch.int32 if module.input_is_int(n) else torch.float32)
                         for n, s in module.input_shapes().items())
         programs[name] = torch.export.export(module, example, strict=False)
     partitioner = CoreMLPartitioner(compile_specs=_compile_specs(precision))

@@ -163,7 +163,7 @@ class HtpBackend(BackendBase):
             csv.unlink(missing_ok=True)
         sess = session(Path(out_dir) / artifact["context_model"], artifact["soc"], artifact["precision"] == "fp16",
                        profile_csv=csv)
-        executor = HtpExecutor(sess, graph.name, csv)
+        executor = HtpExecutor(sess, graph, csv)
         self.executors.append(executor)
         return executor
 

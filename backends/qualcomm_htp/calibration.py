@@ -68,10 +68,12 @@ def capture(model, plan, max_context: int, names: list[str], text: str | None = 
         def call(inputs):
             out = run(inputs)
             if name in samples and len(samples[name]) < per_graph:
-                samples[name].append(encode(list(graph.inputs), inputs))
+                samples[name].append(encode(graph, inputs))
             if name in attention:
                 z_rows[attention[name]].append(out["z"])
             return out
+
+        call.keeps_state = run.keeps_state
         return call
 
     for name in {*names, *attention}:

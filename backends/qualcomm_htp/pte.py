@@ -45,7 +45,7 @@ class IrModule(torch.nn.Module):
             self.register_buffer(buf, weights[name].detach().float().clone())
 
     def forward(self, *inputs):
-        env = dict(zip(self.graph.inputs, inputs))
+        env = dict(zip(self.graph.stateless_inputs(), inputs))
         for op in self.graph.ops:
             args = [getattr(self, self.buffer_of[v[len(WEIGHT_PREFIX):]]) if v.startswith(WEIGHT_PREFIX) else env[v]
                     for v in op.inputs]
@@ -71,7 +71,7 @@ def save_pte(graph: Graph, weights, path: Path, precision: str, chipset: str, sa
                          f"not {precision!r}.")
     utils = _executorch()
     module = IrModule(graph, weights).eval()
-    example = tuple(torch.zeros(t.shape) for t in graph.inputs.values())
+    example = tuple(torch.zeros(graph.inputs[n].shape) for n in graph.stateless_inputs())
     if precision == "w8a16":
         module = _quantized(module, example, samples)
     specs = utils.generate_qnn_executorch_compiler_spec(
@@ -93,12 +93,14 @@ def _quantized(module, example, samples):
     quantizer.set_default_quant_config(QuantDtype.use_16a8w)
     prepared = prepare_pt2e(torch.export.export(module, example, strict=False).module(), quantizer)
     for feed in samples:
-        prepared(*(torch.from_numpy(feed[n]) for n in module.graph.inputs))
+        prepared(*(torch.from_numpy(feed[n]) for n in module.graph.stateless_inputs()))
     return convert_pt2e(prepared)
 
 
 class PteExecutor:
     """One graph's ``.pte`` on ExecuTorch's runtime: IR tensors in, IR tensors out."""
+
+    keeps_state = False
 
     def __init__(self, path: Path, graph: Graph):
         from executorch.runtime import Runtime
@@ -109,6 +111,6 @@ class PteExecutor:
         self.method = Runtime.get().load_program(str(path)).load_method("forward")
 
     def __call__(self, inputs):
-        feed = self._encode(list(self.graph.inputs), inputs)
-        outs = self.method.execute([torch.from_numpy(np.ascontiguousarray(feed[n])) for n in self.graph.inputs])
+        feed = self._encode(self.graph, inputs)
+        outs = self.method.execute([torch.from_numpy(np.ascontiguousarray(feed[n])) for n in feed])
         return {name: out.detach().float() for name, out in zip(self.graph.outputs, outs)}

@@ -214,11 +214,11 @@ class Engine:
                 cos, sin = cos_sin(att.rope, head_dim, np.arange(start, start + seq))
                 mask = attention_mask(att, start, seq, valid, slots)
             with m.time("attention"):
-                out = self._run(step.attention[seq], {
-                    "x": x, "cos": torch.from_numpy(cos), "sin": torch.from_numpy(sin), "mask": mask,
-                    "k_cache": self.cache.k[i][:, :slots], "v_cache": self.cache.v[i][:, :slots],
-                    "position": torch.tensor([start]),  # not a graph input: for stateful backends
-                })
+                feed = {"x": x, "cos": torch.from_numpy(cos), "sin": torch.from_numpy(sin), "mask": mask,
+                        "position": torch.tensor([start], dtype=torch.int32)}
+                if not self.executors[step.attention[seq]].keeps_state:
+                    feed |= {"k_cache": self.cache.k[i][:, :slots], "v_cache": self.cache.v[i][:, :slots]}
+                out = self._run(step.attention[seq], feed)
             self.cache.append(i, out["k_new"], out["v_new"], valid)
             h, z = out["h"], out["z"]
             self._check_finite(h, valid, seq, "attention", i)

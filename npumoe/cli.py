@@ -50,6 +50,7 @@ BENCHMARKS = {
     "lut": "npumoe.commands.bench_lut:bench_lut_command",
     "hvx": "npumoe.commands.bench_hvx:bench_hvx_command",
     "scale": "npumoe.commands.bench_scale:bench_scale_command",
+    "decode": "npumoe.commands.bench_decode:bench_decode_command",
 }
 
 

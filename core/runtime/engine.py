@@ -139,10 +139,20 @@ class Engine:
             new.append(token)
             if token in eos or len(new) == max_new_tokens:
                 break
-            with self.metrics_.time("decode"):
-                logits = self._step(torch.tensor([token]), valid=1)[0]
+            logits = self.decode(token)
         tokens = np.asarray(new, dtype=np.int64)
         return (tokens, torch.stack(seen).numpy()) if return_logits else tokens
+
+    def decode(self, token: int) -> torch.Tensor:
+        """One decode step after :meth:`generate` or :meth:`forward`: ``token`` appended to the sequence in
+        the cache, the logits [vocab] of the next position."""
+        if self.cache.length >= self.cache.capacity:
+            raise InputError(f"the KV cache is full ({self.cache.capacity} tokens); raise max_context.")
+        if not 0 <= token < self.spec.vocab_size:
+            raise InputError(f"token id {token} is outside the vocabulary [0, {self.spec.vocab_size}).")
+        self._check_rope_range(self.cache.length + 1)
+        with self.metrics_.time("decode"):
+            return self._step(torch.tensor([token]), valid=1)[0]
 
     # -- internals ------------------------------------------------------------------------
     def _check_ids(self, ids) -> torch.Tensor:
@@ -188,7 +198,8 @@ class Engine:
     def _run(self, name: str, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         placement = self.program.graphs[name].placement
         self.metrics_.add("npu_launches" if placement == "npu" else "cpu_launches")
-        return self.executors[name](inputs)
+        with self.metrics_.running([name]):
+            return self.executors[name](inputs)
 
     def _cache_slots(self, attention: str, start: int) -> int:
         """Cache slots the attention graph reads. An NPU graph's shapes are static: all of them. The CPU

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 
 COUNTS = ("routed", "padded", "spilled", "dropped", "rerouted", "npu_launches", "cpu_launches")
@@ -14,6 +14,14 @@ class Metrics:
         self.counts: dict[str, int] = dict.fromkeys(COUNTS, 0)
         self.seconds: dict[str, float] = defaultdict(float)
         self.spans: list[tuple[str, float, float]] | None = None  # set to [] to record a timeline (--trace)
+        self.graph_runs: Counter[str] = Counter()  # calls per graph (CPU experts as L{layer}.cpu.e{expert})
+
+    @contextmanager
+    def running(self, graphs: list[str]):
+        """Time executor calls as ``executor`` (everything else a step spends is host work) and count them."""
+        self.graph_runs.update(graphs)
+        with self.time("executor"):
+            yield
 
     def add(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + int(n)

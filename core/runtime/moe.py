@@ -105,10 +105,11 @@ class MoELayer:
             executors = [self.expert_executors[e] for e in experts]
             inputs = [{"x": z[d.token[pairs_e]]} for pairs_e in mine]
             run_many = getattr(type(executors[0]), "run_many", None) if executors else None
-            if run_many is not None and all(type(e) is type(executors[0]) for e in executors):
-                results = run_many(executors, inputs)  # side by side: one kernel call per step for all experts
-            else:
-                results = [run(i) for run, i in zip(executors, inputs)]
+            with m.running([f"L{self.layer}.cpu.e{e}" for e in experts]):
+                if run_many is not None and all(type(e) is type(executors[0]) for e in executors):
+                    results = run_many(executors, inputs)  # side by side: one kernel call per step for all experts
+                else:
+                    results = [run(i) for run, i in zip(executors, inputs)]
             m.add("cpu_launches", len(experts))
             for pairs_e, result in zip(mine, results):
                 out.index_add_(0, d.token[pairs_e], result["y"] * d.weight[pairs_e, None])

@@ -1,0 +1,108 @@
+"""`npumoe bench decode`: where a decode step's time goes — executors (the graphs' own compute) versus
+host work around them (routing, dispatch, rope and masks, cache writes, Python) — and the weight bytes
+one token reads. The host share is what the runtime, not the device, costs: on a phone NPU whose whole
+decode step takes a few ms, 100 µs of host work per layer is already most of it."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from npumoe.commands.bench_scale import CACHE, MODELS, write_random_checkpoint
+from npumoe.core.graphs import experts_graph
+from npumoe.core.runtime.engine import Engine
+from npumoe.models.loader import load
+
+PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
+HOST_GOAL_US = 100  # per layer per decode token (issue 17)
+DEMO_GOAL_TOK_S = 1000
+
+
+def real_width_checkpoint(name: str, layers: int) -> Path:
+    """The first ``layers`` layers of a real model's exact config, random bf16 weights, written once."""
+    cfg = {**MODELS[name], "num_hidden_layers": layers}
+    return write_random_checkpoint(cfg, CACHE / f"{name}-{layers}-layers")
+
+
+def graph_weight_bytes(engine: Engine, name: str) -> int:
+    """Bytes of the weights one call of graph ``name`` reads, as the engine holds them (compute dtype)."""
+    graph = engine.program.graphs.get(name)
+    if graph is None:  # a CPU expert: L{layer}.cpu.e{expert}
+        layer, expert = name[1:].split(".cpu.e")
+        graph = experts_graph(engine.spec, int(layer), (int(expert),), 1, name)
+    weights = engine.model.weights
+    return sum(weights[w].nbytes for w in graph.weight_names())
+
+
+def measure(engine: Engine, tokens: int) -> dict:
+    """Decode ``tokens`` tokens after a short prompt; host = wall time not spent inside executors."""
+    ids = np.asarray(engine.model.tokenizer.encode(PROMPT) if engine.model.tokenizer else range(1, 33))
+    ids = ids[ids < engine.spec.vocab_size]
+    token = int(engine.generate(ids, max_new_tokens=1)[0])
+    engine.metrics_.reset()
+    start = time.perf_counter()
+    for _ in range(tokens):
+        token = int(engine.decode(token).argmax())
+    wall = time.perf_counter() - start
+    m = engine.metrics_
+    executor = m.seconds["executor"]
+    host_ops = {op: s / tokens * 1e6 for op, s in sorted(m.seconds.items(), key=lambda kv: -kv[1])
+                if op not in ("decode", "executor")}
+    layers = engine.spec.num_layers
+    read = sum(graph_weight_bytes(engine, g) * n for g, n in m.graph_runs.items()) / tokens
+    return {
+        "model": engine.model.name, "layers": layers, "tokens": tokens,
+        "tokens_per_s": tokens / wall, "ms_per_token": wall / tokens * 1e3,
+        "executor_ms_per_token": executor / tokens * 1e3,
+        "host_us_per_layer_token": (wall - executor) / tokens / layers * 1e6,
+        "weight_mb_per_token": read / 1e6,
+        "graph_calls_per_token": sum(m.graph_runs.values()) / tokens,
+        "timers_us_per_token": host_ops,  # nested: each includes the executor calls inside it
+    }
+
+
+def render(result: dict, console: Console) -> None:
+    table = Table(title=f"decode, {result['model']} ({result['layers']} layers, {result['tokens']} tokens)")
+    for col in ("tok/s", "ms/token", "executors ms", "host µs/layer", "weight MB/token", "graph calls/token"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{result['tokens_per_s']:.0f}", f"{result['ms_per_token']:.2f}",
+                  f"{result['executor_ms_per_token']:.2f}", f"{result['host_us_per_layer_token']:.0f}",
+                  f"{result['weight_mb_per_token']:.1f}", f"{result['graph_calls_per_token']:.0f}")
+    console.print(table)
+    console.print("timers, µs per token (each includes the executor calls inside it): " + ", ".join(
+        f"{op} {us:.0f}" for op, us in result["timers_us_per_token"].items()))
+    console.print(f"goals: host ≤ {HOST_GOAL_US} µs per layer per token; the demo model ≥ {DEMO_GOAL_TOK_S} tok/s "
+                  "(CPU reference path). executors ms = time inside graph calls; host = the rest of the step.")
+
+
+@click.command("decode")
+@click.option("--model", "model_name", type=click.Choice(["demo", *MODELS]), default="demo", show_default=True,
+              help="The shipped demo model, or a real model's exact widths with random bf16 weights.")
+@click.option("--layers", default=2, show_default=True, type=click.IntRange(1),
+              help="Layers of the real-width model (written once to the bench cache).")
+@click.option("--tokens", default=64, show_default=True, type=click.IntRange(1), help="Decode steps to time.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+def bench_decode_command(model_name, layers, tokens, as_json):
+    """Decode tokens/s, host µs per layer per token, and weight bytes per token.
+
+    \b
+    Examples:
+      npumoe bench decode                                  # the demo model, CPU reference path
+      npumoe bench decode --model qwen3-30b-a3b --layers 2  # Qwen3-30B-A3B's widths, 2 of its 48 layers
+    """
+    console = Console(stderr=as_json)
+    with console.status("loading"):
+        model = load() if model_name == "demo" else load(real_width_checkpoint(model_name, layers))
+        engine = Engine(model)
+    with console.status(f"decoding {tokens} tokens"):
+        result = measure(engine, tokens)
+    if as_json:
+        click.echo(json.dumps(result, indent=1))
+    else:
+        render(result, console)

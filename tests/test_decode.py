@@ -1,0 +1,54 @@
+"""Engine.decode, the one-token step generate is made of, and the decode benchmark's accounting."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import npumoe
+from npumoe.cli import main
+from npumoe.errors import InputError
+
+PROMPT = "def add(a, b):\n    return a + b\n"
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return npumoe.load()
+
+
+def test_decode_continues_what_generate_produced(demo):
+    ids = np.asarray(demo.tokenizer.encode(PROMPT))
+    engine = npumoe.Engine(demo)
+    tokens, logits = engine.generate(ids, max_new_tokens=6, return_logits=True)
+    engine.generate(ids, max_new_tokens=1)
+    steps = [engine.decode(int(t)) for t in tokens[:5]]
+    np.testing.assert_allclose(torch.stack(steps).numpy(), logits[1:], atol=1e-5)
+    assert engine.metrics_.graph_runs  # every executor call is counted ...
+    assert engine.metrics["seconds"]["executor"] < engine.metrics["seconds"]["decode"] + engine.metrics["seconds"][
+        "prefill"]  # ... and timed inside the steps
+
+
+def test_decode_refuses_a_token_outside_the_vocabulary_and_a_full_cache(demo):
+    engine = npumoe.Engine(demo, max_context=8)
+    engine.generate(np.arange(1, 8), max_new_tokens=1)
+    with pytest.raises(InputError, match="outside the vocabulary"):
+        engine.decode(demo.spec.vocab_size)
+    engine.decode(5)
+    with pytest.raises(InputError, match="KV cache is full"):
+        engine.decode(5)
+
+
+def test_bench_decode_reports_host_time_and_weight_bytes(demo, capsys):
+    main(["bench", "decode", "--tokens", "3", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["layers"] == demo.spec.num_layers and result["tokens"] == 3
+    assert 0 < result["executor_ms_per_token"] < result["ms_per_token"]
+    # weights one token reads: every attention graph, top-k experts per layer, the LM head (fp32 demo)
+    spec, weights = demo.spec, demo.weights
+    attention = sum(weights[n].nbytes for n in weights if ".attn." in n and weights[n].ndim == 2)
+    moe = spec.layers[spec.moe_layers[0]].ffn
+    expert = sum(weights[f"layers.0.moe.experts.0.{p}.weight"].nbytes for p in ("gate", "up", "down"))
+    expected = attention + len(spec.moe_layers) * moe.top_k * expert + weights["lm_head.weight"].nbytes
+    assert result["weight_mb_per_token"] == pytest.approx(expected / 1e6, rel=0.02)

@@ -62,6 +62,7 @@ class Engine:
         self.metrics_ = Metrics()
         self.moe_layers = self._moe_layers()
         self.embedding = model.weights["embed.weight"]  # once: in fp32 from a bf16 file, a converted copy
+        self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.rope_limit = min(filter(None, (short_context(ls.attention.rope) for ls in self.spec.layers)), default=None)
 
     # -- set-up ---------------------------------------------------------------------------
@@ -201,6 +202,17 @@ class Engine:
         with self.metrics_.running([name]):
             return self.executors[name](inputs)
 
+    def _rope_rows(self, att, start: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin rows for positions start..start+seq-1, sliced from tables of every position a run can
+        reach (computed once per rope: the same values cos_sin gives for those positions)."""
+        head_dim = att.qk_rope_head_dim if att.kind == "mla" else att.head_dim
+        key = (att.rope, head_dim)
+        if key not in self._rope_tables:
+            cos, sin = cos_sin(att.rope, head_dim, np.arange(self.cache.capacity + self.program.chunk))
+            self._rope_tables[key] = torch.from_numpy(cos), torch.from_numpy(sin)
+        cos, sin = self._rope_tables[key]
+        return cos[start:start + seq], sin[start:start + seq]
+
     def _cache_slots(self, attention: str, start: int) -> int:
         """Cache slots the attention graph reads. An NPU graph's shapes are static: all of them. The CPU
         executor takes any length, so it gets the filled slots rounded up to CACHE_BUCKET: the same
@@ -217,22 +229,23 @@ class Engine:
         with m.time("embed"):
             x = self.embedding[ids].float() * spec.embedding_scale
         self._check_finite(x, valid, seq, "embedding")
+        masks: dict[tuple, torch.Tensor] = {}  # layers alike in window and cache slots share one mask
+        position = torch.tensor([start], dtype=torch.int32)
         for i, step in enumerate(self.program.layers):
             att = spec.layers[i].attention
             slots = self._cache_slots(step.attention[seq], start)
             with m.time("rope_mask"):
-                head_dim = att.qk_rope_head_dim if att.kind == "mla" else att.head_dim
-                cos, sin = cos_sin(att.rope, head_dim, np.arange(start, start + seq))
-                mask = attention_mask(att, start, seq, valid, slots)
+                cos, sin = self._rope_rows(att, start, seq)
+                key = (att.sliding_window, slots)
+                if key not in masks:
+                    masks[key] = attention_mask(att, start, seq, valid, slots)
             with m.time("attention"):
-                feed = {"x": x, "cos": torch.from_numpy(cos), "sin": torch.from_numpy(sin), "mask": mask,
-                        "position": torch.tensor([start], dtype=torch.int32)}
+                feed = {"x": x, "cos": cos, "sin": sin, "mask": masks[key], "position": position}
                 if not self.executors[step.attention[seq]].keeps_state:
                     feed |= {"k_cache": self.cache.k[i][:, :slots], "v_cache": self.cache.v[i][:, :slots]}
                 out = self._run(step.attention[seq], feed)
             self.cache.append(i, out["k_new"], out["v_new"], valid)
             h, z = out["h"], out["z"]
-            self._check_finite(h, valid, seq, "attention", i)
             if step.moe is not None:
                 y = self.moe_layers[(i, seq)](z, h - x, valid, self._run, m, self.on_route)
                 if step.moe.shared is not None:
@@ -243,7 +256,9 @@ class Engine:
                     y = self._run(step.dense[seq], {"z": z})["y"]
             with m.time("residual"):
                 x = h + y
-            self._check_finite(x, valid, seq, "ffn", i)
+            if not self._finite(x, valid):  # one check a layer; h (the attention's output) says which part
+                self._check_finite(h, valid, seq, "attention", i)
+                self._check_finite(x, valid, seq, "ffn", i)
         self.cache.length += valid
         if not lm_head:
             return None
@@ -255,13 +270,18 @@ class Engine:
     def _check_finite(self, x: torch.Tensor, valid: int, seq: int, part: str, layer: int | None = None) -> None:
         """Stop at the first graph whose output holds NaN or Inf, naming it: otherwise a non-finite weight
         spreads through every later layer and decodes as blank text, with no sign of where it came from.
-        One reduction per layer output, over the real positions only."""
-        if not bool(torch.isfinite(x[:valid]).all()):
+        One reduction per output checked, over the real positions only (a layer checks its output, and only
+        when that fails its attention's, to say which part)."""
+        if not self._finite(x, valid):
             raise NumericError(
                 f"{self._graph_description(part, layer, seq)} produced NaN or Inf, so the run stops; the checkpoint "
                 f"may hold non-finite weights (npumoe inspect --check-values {self.model.path} names them) or its "
                 "values overflow the compute dtype (try --dtype float32)."
             )
+
+    @staticmethod
+    def _finite(x: torch.Tensor, valid: int) -> bool:
+        return bool(torch.isfinite(x[:valid]).all())
 
     def _graph_description(self, part: str, layer: int | None, seq: int) -> str:
         """Which graph ``part`` of ``layer`` is, in words, for :meth:`_check_finite`'s message."""

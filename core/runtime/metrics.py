@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter, defaultdict
-from contextlib import contextmanager
 
 COUNTS = ("routed", "padded", "spilled", "dropped", "rerouted", "npu_launches", "cpu_launches")
 
@@ -16,29 +15,40 @@ class Metrics:
         self.spans: list[tuple[str, float, float]] | None = None  # set to [] to record a timeline (--trace)
         self.graph_runs: Counter[str] = Counter()  # calls per graph (CPU experts as L{layer}.cpu.e{expert})
 
-    @contextmanager
-    def running(self, graphs: list[str]):
-        """Time executor calls as ``executor`` (everything else a step spends is host work) and count them."""
+    def running(self, graphs: list[str]) -> _Timer:
+        """``with metrics.running(graphs):`` counts a call of each graph and times it as ``executor`` (the rest
+        of a step's time is host work)."""
         self.graph_runs.update(graphs)
-        with self.time("executor"):
-            yield
+        return self.time("executor")
 
     def add(self, name: str, n: int = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + int(n)
 
-    @contextmanager
-    def time(self, op: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            end = time.perf_counter()
-            self.seconds[op] += end - start
-            if self.spans is not None:
-                self.spans.append((op, start, end))
+    def time(self, op: str) -> _Timer:
+        """``with metrics.time(op):`` adds the block's wall time to ``seconds[op]`` (and a span when recording)."""
+        return _Timer(self, op)
 
     def as_dict(self) -> dict:
         return {**self.counts, "seconds": dict(self.seconds)}
 
     def reset(self) -> None:
         self.__init__()
+
+
+class _Timer:
+    """A plain context manager: a decode step enters some forty of them, and a generator-based one costs
+    several times more host time each."""
+
+    __slots__ = ("metrics", "op", "start")
+
+    def __init__(self, metrics: Metrics, op: str):
+        self.metrics, self.op = metrics, op
+
+    def __enter__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        end = time.perf_counter()
+        self.metrics.seconds[self.op] += end - self.start
+        if self.metrics.spans is not None:
+            self.metrics.spans.append((self.op, self.start, end))

@@ -55,6 +55,8 @@ class MoELayer:
         if on_route is not None:
             on_route(self.layer, experts, gates, attn_out[:valid])
         m.add("routed", experts.numel())
+        if valid == 1 and seq == 1 and bool(self.compact[experts[0]].all()):
+            return self._decode_on_cpu(z, experts[0].tolist(), gates[0], m)
         with m.time("gather"):
             saliency = attn_out[:valid].norm(dim=-1) if self.overflow == "drop" else None
             d = assign(experts, gates, self.layout, order_key=saliency, skip=self.compact)
@@ -95,6 +97,16 @@ class MoELayer:
                 y_buf[offset:offset + rows] = run(grp.graph, {"x": buf[offset:offset + rows]})["y"]
         return y_buf
 
+    def _decode_on_cpu(self, z: torch.Tensor, experts: list[int], gates: torch.Tensor, m: Metrics) -> torch.Tensor:
+        """One token whose experts all run on the CPU: each on the token's row, weighted and summed, with no
+        dispatch tables (what :meth:`_run_compact` computes for one token, at a fraction of the host work)."""
+        with m.time("cpu_expert_ffn"):
+            executors = [self.expert_executors[e] for e in experts]
+            with m.running([f"L{self.layer}.cpu.e{e}" for e in experts]):
+                results = _run_side_by_side(executors, [{"x": z}] * len(experts))
+            m.add("cpu_launches", len(experts))
+            return gates[None].to(z.dtype) @ torch.cat([r["y"] for r in results])  # [1, k] @ [k, H]
+
     def _run_compact(self, z: torch.Tensor, d: Dispatch, pairs_mask: torch.Tensor, m: Metrics) -> torch.Tensor:
         """CPU path on exactly the given (token, expert) pairs: spilled tokens and cold experts."""
         out = torch.zeros_like(z)
@@ -104,12 +116,8 @@ class MoELayer:
             mine = [pairs[d.expert[pairs] == e] for e in experts]
             executors = [self.expert_executors[e] for e in experts]
             inputs = [{"x": z[d.token[pairs_e]]} for pairs_e in mine]
-            run_many = getattr(type(executors[0]), "run_many", None) if executors else None
             with m.running([f"L{self.layer}.cpu.e{e}" for e in experts]):
-                if run_many is not None and all(type(e) is type(executors[0]) for e in executors):
-                    results = run_many(executors, inputs)  # side by side: one kernel call per step for all experts
-                else:
-                    results = [run(i) for run, i in zip(executors, inputs)]
+                results = _run_side_by_side(executors, inputs)
             m.add("cpu_launches", len(experts))
             for pairs_e, result in zip(mine, results):
                 out.index_add_(0, d.token[pairs_e], result["y"] * d.weight[pairs_e, None])
@@ -145,3 +153,12 @@ class MoELayer:
             pending = pending[~torch.isin(pending, moved)]
         d.renormalise(d.fits | d.compact, target)
         return d
+
+
+def _run_side_by_side(executors: list, inputs: list[Mapping[str, torch.Tensor]]) -> list[dict]:
+    """Each executor on its inputs; together when their class offers ``run_many`` (the interpreter steps experts
+    of one shape side by side: one kernel call per step for all of them). Duck-typed: core imports no backend."""
+    run_many = getattr(type(executors[0]), "run_many", None) if executors else None
+    if run_many is not None and all(type(e) is type(executors[0]) for e in executors):
+        return run_many(executors, inputs)
+    return [run(i) for run, i in zip(executors, inputs)]

@@ -53,6 +53,55 @@ def _sdpa(q, k, v, mask, sinks=None, *, scale):
     return torch.matmul(probs, v)
 
 
+def _sdpa_over_parts(q, k_old, k_new, v_old, v_new, mask, sinks=None, *, scale):
+    """``sdpa(q, concat(k_old, k_new), concat(v_old, v_new), mask, sinks)`` without building either
+    concatenation (at decode each would copy the layer's whole KV cache) and with grouped-query heads
+    matched by reshaping the queries instead of repeating K and V (another copy of the cache)."""
+    kv_heads, (heads, seq, dim) = k_old.shape[0], q.shape
+    grouped = q.reshape(kv_heads, heads // kv_heads * seq, dim)  # query head h uses K/V head h // groups
+
+    def per_query_head(x):
+        return x.reshape(heads, seq, x.shape[-1])
+
+    logits = torch.cat((per_query_head(torch.matmul(grouped, k_old.transpose(1, 2))),
+                        per_query_head(torch.matmul(grouped, k_new.transpose(1, 2)))), dim=-1) * scale + mask
+    if sinks is None:
+        probs = torch.softmax(logits, dim=-1)
+    else:
+        sink = sinks.reshape(-1, 1, 1).expand(-1, seq, 1)
+        joint = torch.cat((logits, sink), dim=-1)
+        probs = torch.softmax(joint - joint.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
+    old = k_old.shape[1]
+
+    def attend(p, v):
+        return torch.matmul(p.reshape(kv_heads, -1, p.shape[-1]), v)
+
+    return per_query_head(attend(probs[..., :old], v_old) + attend(probs[..., old:], v_new))
+
+
+def fuse_cached_attention(steps: list[tuple]) -> list[tuple]:
+    """The bound steps with each ``sdpa`` whose K and V are two-part ``concat`` s used by nothing else
+    (the cache and this call's keys, as attention graphs build them) run as :func:`_sdpa_over_parts`.
+    An optimisation of the interpreter, not a new op: the result is the ops' own up to summation order."""
+    producer = {out: i for i, (_, _, _, outs) in enumerate(steps) for out in outs}
+    readers: dict[str, int] = {}
+    for _, args, _, _ in steps:
+        for a in args:
+            if isinstance(a, str):
+                readers[a] = readers.get(a, 0) + 1
+    fused, dropped = list(steps), set()
+    for i, (impl, args, attrs, outs) in enumerate(steps):
+        if impl is not _sdpa:
+            continue
+        parts = [steps[producer[a]] if a in producer else None for a in args[1:3]]
+        if all(p and p[0] is OP_IMPLS["concat"] and len(p[1]) == 2 and p[2]["axis"] == 1 and readers[a] == 1
+               for p, a in zip(parts, args[1:3])):
+            (k_old, k_new), (v_old, v_new) = parts[0][1], parts[1][1]
+            fused[i] = (_sdpa_over_parts, [args[0], k_old, k_new, v_old, v_new, *args[3:]], attrs, outs)
+            dropped.update(producer[a] for a in args[1:3])
+    return [step for j, step in enumerate(fused) if j not in dropped]
+
+
 WIDEN_BLOCK = 1 << 22  # weights widened to fp32 at a time: 16 MB
 
 
@@ -127,7 +176,7 @@ class TorchGraphExecutor:
 
     def __init__(self, graph: Graph, weights: Mapping[str, torch.Tensor]):
         self.graph = graph
-        self._steps = [self._bind(op, weights) for op in graph.ops]
+        self._steps = fuse_cached_attention([self._bind(op, weights) for op in graph.ops])
         self._runs = _independent_runs(self._steps)
         self._shape = [(impl, attrs, len(args)) for impl, args, attrs, _ in self._steps]  # what run_many lines up
 

@@ -2,14 +2,17 @@
 
 The op is a pure function of tensors (the tiled weight) and ints, with a fake
 implementation that only gives the output shape, so graphs using it trace and export
-with ``torch.export``. On CPU it runs the compiled kernels with ``torch.get_num_threads()``
-threads: a LUT-GEMV per activation row for decode-sized inputs, the fused LUT-dequant GEMM
-once there are enough rows to amortise dequantising each weight once.
+with ``torch.export``. On CPU it runs the compiled kernels with :func:`kernel_threads` threads
+(torch's count, unless :func:`torch_on_one_thread` holds torch to one): a LUT-GEMV per activation
+row for decode-sized inputs, the fused LUT-dequant GEMM once there are enough rows to amortise
+dequantising each weight once.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -32,6 +35,32 @@ def _kernels() -> kernels.LutKernels:
     return kernels.kernels()
 
 
+_held_threads: int | None = None  # torch's thread count while torch_on_one_thread holds it at one
+
+
+def kernel_threads() -> int:
+    return _held_threads or torch.get_num_threads()
+
+
+@contextmanager
+def torch_on_one_thread() -> Iterator[None]:
+    """Torch's own ops on one thread while the kernels keep torch's thread count. In a decode step whose
+    matrices the kernels read, torch is left with small ops that gain nothing from threads, and its OpenMP
+    workers spin for about a millisecond after each one on the core a kernel's worker needs (OLMoE-1B-7B,
+    bf16, 2 cores: 160 -> 126 ms/token). Prefill keeps torch threaded: its matrix products need it."""
+    global _held_threads
+    if _held_threads is not None:
+        yield
+        return
+    _held_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(_held_threads)
+        _held_threads = None
+
+
 def _tiled(tiles, scales, zeros, bits: int, group: int, out_features: int, in_features: int) -> layout.TiledWeight:
     """The op's tensors as the kernels' weight (which they check before use)."""
     return layout.TiledWeight(bits, group, (out_features, in_features), tiles.numpy(), scales.numpy(),
@@ -47,7 +76,7 @@ def _compute(x: torch.Tensor, weight: layout.TiledWeight) -> torch.Tensor:
         raise InputError(f"activations of shape {list(x.shape)} do not fit a weight with {k} inputs.")
     rows = x.detach().reshape(-1, k).to(torch.float32).contiguous().numpy()
     run = _kernels()
-    threads = torch.get_num_threads()
+    threads = kernel_threads()
     y = run.gemm(weight, rows, threads) if uses_gemm(rows.shape[0], weight.bits) else run.gemv(weight, rows, threads=threads)
     return torch.from_numpy(np.ascontiguousarray(y)).reshape(*x.shape[:-1], n).to(x.dtype)
 
@@ -65,11 +94,11 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     calls = _kernels().calls
     if not hasattr(calls, "bf16_gemv_at"):  # emulated kernels (another ISA under qemu): through arrays
         y = _kernels().bf16_gemv(w.detach().view(torch.int16).numpy(), x.detach().reshape(rows, k).contiguous().numpy(),
-                                 torch.get_num_threads())
+                                 kernel_threads())
         return torch.from_numpy(y).reshape(*x.shape[:-1], w.shape[0])
     x = x.contiguous()  # addresses, not arrays: a numpy view of each tensor costs more than a 4 MB GEMV's tenth
     y = torch.empty(*x.shape[:-1], w.shape[0])
-    calls.bf16_gemv_at(w.data_ptr(), x.data_ptr(), rows, w.shape[0], k, y.data_ptr(), torch.get_num_threads())
+    calls.bf16_gemv_at(w.data_ptr(), x.data_ptr(), rows, w.shape[0], k, y.data_ptr(), kernel_threads())
     return y
 
 
@@ -82,7 +111,7 @@ def bf16_linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor]) -> list[tor
     xs = [x.contiguous() for x in xs]
     ys = [torch.empty(*x.shape[:-1], w.shape[0]) for x, w in zip(xs, ws)]
     calls.bf16_gemv_many_at([(w.data_ptr(), x.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], *w.shape)
-                             for x, w, y in zip(xs, ws, ys)], torch.get_num_threads())
+                             for x, w, y in zip(xs, ws, ys)], kernel_threads())
     return ys
 
 
@@ -146,7 +175,7 @@ class LutLinear(torch.nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight [out, in], through the kernels' LUT dequantiser."""
-        return torch.from_numpy(_kernels().dequantize(self.tiled(), torch.get_num_threads()))
+        return torch.from_numpy(_kernels().dequantize(self.tiled(), kernel_threads()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _eager(x):  # skips the dispatcher: ~25 µs a call, a third of a small expert's decode GEMV

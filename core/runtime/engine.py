@@ -7,6 +7,7 @@ names. Nothing here calls transformers.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 
 import numpy as np
@@ -22,6 +23,7 @@ from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.moe import MoELayer
 from npumoe.core.spec import MoESpec
 from npumoe.errors import InputError, NumericError
+from npumoe.luts.torch_op import torch_on_one_thread
 
 DEFAULT_CHUNK = 64
 DEFAULT_MAX_CONTEXT = 512
@@ -152,10 +154,17 @@ class Engine:
         if not 0 <= token < self.spec.vocab_size:
             raise InputError(f"token id {token} is outside the vocabulary [0, {self.spec.vocab_size}).")
         self._check_rope_range(self.cache.length + 1)
-        with self.metrics_.time("decode"):
+        with self.metrics_.time("decode"), self._decode_threads():
             return self._step(torch.tensor([token]), valid=1)[0]
 
     # -- internals ------------------------------------------------------------------------
+    def _decode_threads(self):
+        """Where the LUT or bf16 kernels read a decode step's matrices, torch keeps one thread for the rest
+        (see torch_on_one_thread); fp32 matrices are torch's own GEMVs and keep its threads."""
+        weights = self.model.weights
+        kernels_read = weights.dtype == torch.bfloat16 or bool(getattr(weights, "packed", None))
+        return torch_on_one_thread() if kernels_read else contextlib.nullcontext()
+
     def _check_ids(self, ids) -> torch.Tensor:
         arr = np.asarray(ids)
         if arr.ndim != 1 or arr.size == 0:

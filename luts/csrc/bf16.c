@@ -12,18 +12,27 @@
 
 #include "lut.h"
 
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
+/* Lanes per vector: 512-bit registers where the build has them (one AVX-512 core streams ~2x the
+ * weights of the 256-bit loop, which was compute-bound at ~15 GB/s a thread), 256-bit elsewhere. */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+#define STEP (2 * VL) /* inputs per vector step: VL even ones and VL odd ones */
+
+typedef float fvec __attribute__((vector_size(VL * 4)));
+typedef uint32_t uvec __attribute__((vector_size(VL * 4)));
 
 #define BF16_ROWS 4       /* rows per pass: x is loaded once for four weight streams */
 #define BF16_L1_AHEAD 4096 /* elements: 8 KB (2 KB ran 15-25 % slower on Zen) */
 
-/* Eight 32-bit words of bf16 pairs widen with no shuffle: the even element of each pair is the
+/* VL 32-bit words of bf16 pairs widen with no shuffle: the even element of each pair is the
  * word shifted left 16, the odd one the word with its low half cleared. So x is split once into
  * its even and odd elements, and every weight costs a load, a shift or an and, a multiply and an
  * add (a zero-extending widen needs cross-lane shuffles, one port's worth, and ran at a third). */
-static inline void widen_pairs(const uint16_t *p, f32x8 *even, f32x8 *odd) {
-    u32x8 w, lo, hi;
+static inline void widen_pairs(const uint16_t *p, fvec *even, fvec *odd) {
+    uvec w, lo, hi;
     memcpy(&w, p, sizeof w);
     lo = w << 16;
     hi = w & 0xffff0000u;
@@ -38,8 +47,10 @@ static inline float widen1(uint16_t h) {
     return f;
 }
 
-static inline float hsum(f32x8 v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+static inline float hsum(fvec v) {
+    float s = 0;
+    for (int i = 0; i < VL; i++) s += v[i];
+    return s;
 }
 
 /* one GEMV of a batch: W [n][k] bf16, x [m][k] and y [m][n] fp32, all row-major */
@@ -53,7 +64,7 @@ typedef struct {
 typedef struct {
     const uint16_t *w;
     const float *x;      /* [m][k] */
-    const float *split;  /* [m][k16]: per 16 inputs, the 8 even ones then the 8 odd ones */
+    const float *split;  /* [m][kv]: per STEP inputs, the VL even ones then the VL odd ones */
     float *y;
     int n, k, m;
 } bf16_job;
@@ -61,20 +72,20 @@ typedef struct {
 /* Rows r .. r+3 (a short last block repeats its last row; only real rows are stored). Four explicit
  * weight streams and eight accumulators stay in registers, which a loop over the rows did not. */
 static void bf16_block(const bf16_job *job, int r) {
-    const int k = job->k, k16 = k / 16 * 16, rows = job->n - r < BF16_ROWS ? job->n - r : BF16_ROWS;
+    const int k = job->k, kv = k / STEP * STEP, rows = job->n - r < BF16_ROWS ? job->n - r : BF16_ROWS;
     const size_t next = (size_t)BF16_ROWS * k; /* the same place in the next block, 4 rows on */
     const uint16_t *w[BF16_ROWS];
     for (int j = 0; j < BF16_ROWS; j++) w[j] = job->w + (size_t)(r + (j < rows ? j : rows - 1)) * k;
     for (int i = 0; i < job->m; i++) {
-        const float *x = job->x + (size_t)i * k, *xs = job->split + (size_t)i * k16;
-        f32x8 a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0}, c0 = {0}, c1 = {0}, d0 = {0}, d1 = {0}, e, o;
-        for (int kk = 0; kk < k16; kk += 16) {
+        const float *x = job->x + (size_t)i * k, *xs = job->split + (size_t)i * kv;
+        fvec a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0}, c0 = {0}, c1 = {0}, d0 = {0}, d1 = {0}, e, o;
+        for (int kk = 0; kk < kv; kk += STEP) {
             if (i == 0 && kk % 32 == 0) /* each row's line 8 KB ahead into L1, the next block's into L2 */
                 for (int j = 0; j < BF16_ROWS; j++)
                     __builtin_prefetch(w[j] + kk + BF16_L1_AHEAD, 0, 3), __builtin_prefetch(w[j] + kk + next, 0, 2);
-            f32x8 xe, xo;
+            fvec xe, xo;
             memcpy(&xe, xs + kk, sizeof xe);
-            memcpy(&xo, xs + kk + 8, sizeof xo);
+            memcpy(&xo, xs + kk + VL, sizeof xo);
             widen_pairs(w[0] + kk, &e, &o), a0 += e * xe, a1 += o * xo;
             widen_pairs(w[1] + kk, &e, &o), b0 += e * xe, b1 += o * xo;
             widen_pairs(w[2] + kk, &e, &o), c0 += e * xe, c1 += o * xo;
@@ -82,7 +93,7 @@ static void bf16_block(const bf16_job *job, int r) {
         }
         float s[BF16_ROWS] = {hsum(a0 + a1), hsum(b0 + b1), hsum(c0 + c1), hsum(d0 + d1)};
         for (int j = 0; j < rows; j++) {
-            for (int kk = k16; kk < k; kk++) s[j] += widen1(w[j][kk]) * x[kk];
+            for (int kk = kv; kk < k; kk++) s[j] += widen1(w[j][kk]) * x[kk];
             job->y[(size_t)i * job->n + r + j] = s[j];
         }
     }
@@ -110,7 +121,7 @@ static void bf16_range(void *ctx, int b0, int b1) {
  * all m rows of x. Returns -1 if it cannot allocate the split activations. */
 NPUMOE_API int npumoe_bf16_gemv_many(const npumoe_bf16_task *tasks, int count, int threads) {
     size_t split_floats = 1, weight_bytes = 0;
-    for (int t = 0; t < count; t++) split_floats += (size_t)tasks[t].m * (tasks[t].k / 16 * 16);
+    for (int t = 0; t < count; t++) split_floats += (size_t)tasks[t].m * (tasks[t].k / STEP * STEP);
     float *split = malloc(sizeof(float) * split_floats);
     bf16_job *jobs = malloc(sizeof(bf16_job) * (count + 1));
     int *first_block = malloc(sizeof(int) * (count + 1));
@@ -122,15 +133,15 @@ NPUMOE_API int npumoe_bf16_gemv_many(const npumoe_bf16_task *tasks, int count, i
     first_block[0] = 0;
     for (int t = 0; t < count; t++) {
         const npumoe_bf16_task *task = &tasks[t];
-        const int k = task->k, k16 = k / 16 * 16;
+        const int k = task->k, kv = k / STEP * STEP;
         for (int i = 0; i < task->m; i++)
-            for (int kk = 0; kk < k16; kk += 16)
-                for (int j = 0; j < 8; j++) {
-                    at[(size_t)i * k16 + kk + j] = task->x[(size_t)i * k + kk + 2 * j];
-                    at[(size_t)i * k16 + kk + 8 + j] = task->x[(size_t)i * k + kk + 2 * j + 1];
+            for (int kk = 0; kk < kv; kk += STEP)
+                for (int j = 0; j < VL; j++) {
+                    at[(size_t)i * kv + kk + j] = task->x[(size_t)i * k + kk + 2 * j];
+                    at[(size_t)i * kv + kk + VL + j] = task->x[(size_t)i * k + kk + 2 * j + 1];
                 }
         jobs[t] = (bf16_job){task->w, task->x, at, task->y, task->n, k, task->m};
-        at += (size_t)task->m * k16;
+        at += (size_t)task->m * kv;
         first_block[t + 1] = first_block[t] + (task->n + BF16_ROWS - 1) / BF16_ROWS;
         weight_bytes += (size_t)task->n * k * sizeof(uint16_t);
     }

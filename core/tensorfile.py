@@ -161,17 +161,22 @@ DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 class SafetensorsWriter:
     """Writes a safetensors file one tensor at a time, so a large checkpoint is never held whole.
 
-    Data goes to a temporary file beside the destination as tensors arrive; ``finish`` writes
-    the header and then the data into another temporary file renamed over the destination, so
-    an interrupted write leaves nothing under the final name."""
+    Data goes straight into a temporary file beside the destination, after room left for the header
+    (``tensors`` sizes it: the number of tensors to come); ``finish`` writes the header into that room,
+    padded with spaces as the format allows, and renames the file into place, so the data is written
+    once and an interrupted write leaves nothing under the final name. A header that outgrows its room
+    is written the slow way: header, then the data copied after it."""
 
     ALIGN = 8  # safetensors pads the header so data starts aligned
+    HEADER_BYTES_PER_TENSOR = 256  # a name of up to ~150 characters with its dtype, shape and offsets
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, tensors: int = 0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._data_path = self.path.with_name(f".{self.path.name}.data.tmp")
-        self._data = open(self._data_path, "wb")
+        self._tmp = self.path.with_name(f".{self.path.name}.tmp")
+        self._room = 8 + -(-(64 + tensors * self.HEADER_BYTES_PER_TENSOR) // self.ALIGN) * self.ALIGN
+        self._data = open(self._tmp, "wb")
+        self._data.seek(self._room)
         self._header: dict[str, dict] = {}
         self._offset = 0
 
@@ -185,24 +190,38 @@ class SafetensorsWriter:
         self._offset += nbytes
 
     def finish(self, metadata: dict[str, str] | None = None) -> Path:
-        self._data.close()
         header = dict(sorted(self._header.items()))
         if metadata:
             header = {"__metadata__": metadata, **header}
         blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % self.ALIGN)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
         try:
-            with open(tmp, "wb") as out, open(self._data_path, "rb") as data:
+            if 8 + len(blob) <= self._room:
+                blob += b" " * (self._room - 8 - len(blob))
+                self._data.seek(0)
+                self._data.write(struct.pack("<Q", len(blob)) + blob)
+                self._data.close()
+            else:
+                self._data.close()
+                self._rewrite_with(blob + b" " * (-len(blob) % self.ALIGN))
+            self._tmp.replace(self.path)
+        finally:
+            self._data.close()
+            self._tmp.unlink(missing_ok=True)
+        return self.path
+
+    def _rewrite_with(self, blob: bytes) -> None:
+        """The header, then the data copied from after the room it did not fit in."""
+        moved = self._tmp.with_name(self._tmp.name + ".data")
+        self._tmp.replace(moved)
+        try:
+            with open(self._tmp, "wb") as out, open(moved, "rb") as data:
                 out.write(struct.pack("<Q", len(blob)) + blob)
+                data.seek(self._room)
                 while block := data.read(64 << 20):
                     out.write(block)
-            tmp.replace(self.path)
         finally:
-            tmp.unlink(missing_ok=True)
-            self._data_path.unlink(missing_ok=True)
-        return self.path
+            moved.unlink(missing_ok=True)
 
     def abort(self) -> None:
         self._data.close()
-        self._data_path.unlink(missing_ok=True)
+        self._tmp.unlink(missing_ok=True)

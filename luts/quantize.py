@@ -71,7 +71,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int,
 def _write_weights(path: Path, weights: Weights, packed: set[str], bits: int, group: int, symmetric: bool,
                    progress: bool) -> None:
     """Stream tensor by tensor from the mapped source into the output file: memory holds one matrix."""
-    writer = SafetensorsWriter(path)
+    writer = SafetensorsWriter(path, tensors=len(weights) * len(checkpoint.PARTS))  # at most: every one packed
     meta = {}
     try:
         with Progress(*Progress.get_default_columns(), MofNCompleteColumn(), disable=not progress,

@@ -183,11 +183,12 @@ def test_damaged_file_is_named_not_crashed(sharded_bf16, tmp_path, damage):
         SafetensorsFile(bad)
 
 
-def test_streaming_writer_round_trips_through_safetensors(tmp_path):
+@pytest.mark.parametrize("room_for", [0, 4])  # 0: the header outgrows its room and is written the slow way
+def test_streaming_writer_round_trips_through_safetensors(tmp_path, room_for):
     """What the writer streams, the safetensors library reads back bit for bit (it checks the layout)."""
     tensors = {"a": torch.randn(3, 5).to(torch.bfloat16), "b": torch.arange(7, dtype=torch.uint8),
                "c": torch.randn(2, 2, 2), "empty": torch.zeros(0, 4)}
-    writer = SafetensorsWriter(tmp_path / "out.safetensors")
+    writer = SafetensorsWriter(tmp_path / "out.safetensors", tensors=room_for)
     for name, t in tensors.items():
         writer.add(name, t)
     writer.finish({"note": "hi"})
@@ -197,6 +198,9 @@ def test_streaming_writer_round_trips_through_safetensors(tmp_path):
         assert back[name].dtype == t.dtype and torch.equal(back[name], t)
     assert SafetensorsFile(tmp_path / "out.safetensors").metadata == {"note": "hi"}
     assert [p.name for p in tmp_path.iterdir()] == ["out.safetensors"]  # no temporary left behind
+    data_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    header_bytes = (tmp_path / "out.safetensors").stat().st_size - data_bytes
+    assert (header_bytes == writer._room) == bool(room_for)  # with room: the header filled it, data written once
 
 
 def test_bench_scale_checkpoint_is_what_transformers_reads(tmp_path):

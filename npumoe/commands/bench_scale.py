@@ -106,7 +106,8 @@ def write_random_checkpoint(cfg: dict, out: Path, seed: int = 0, progress: bool 
                 if writer is not None:
                     writer.finish({"format": "pt"})
                 index += 1
-                writer, written = SafetensorsWriter(out / f"model-{index:05d}-of-{shards:05d}.safetensors"), 0
+                writer, written = SafetensorsWriter(out / f"model-{index:05d}-of-{shards:05d}.safetensors",
+                                                    tensors=len(shapes)), 0
             writer.add(hub_name(name), tensor(name, shape))
             weight_map[hub_name(name)] = writer.path.name
             written += nbytes

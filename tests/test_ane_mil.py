@@ -134,6 +134,26 @@ def test_a_wide_lm_head_is_split_into_convs_and_matches_the_reference(small, tmp
     assert float((got - want).norm() / want.norm()) < 3e-3
 
 
+def test_an_lm_head_wider_than_the_channel_axis_leaves_in_parts(small, tmp_path, monkeypatch):
+    """Qwen3's 151,936 logits exceed the ANE's 65,536-channel axis: the function returns them in parts of at
+    most that many channels (never the whole width on the device) and the executor joins them. Here the
+    limit is lowered to 32 so the demo-sized vocabulary (64) needs two parts of two 16-row convs each."""
+    from npumoe.backends.apple_ane import layout
+    from npumoe.core.graphs import lm_head_graph
+
+    monkeypatch.setattr(layout, "CONV_ROWS", 16)
+    monkeypatch.setattr(layout, "MAX_CHANNELS", 32)
+    graph = lm_head_graph(small.spec, 4)  # not the 8-row graph the test above leaves in the build cache
+    artifact = AneBackend().lower(graph, small.weights, tmp_path)
+    package = Package(tmp_path / artifact["package"])
+    assert artifact["function_outputs"]["logits"]["parts"] == ["logits_0", "logits_1"]
+    assert [o.name for o in package.description(artifact["function"]).output] == ["logits_0", "logits_1"]
+    x = {"x": torch.randn(graph.inputs["x"].shape)}
+    got = AneBackend().load(artifact, tmp_path, graph, small.weights)(x)["logits"]
+    want = TorchGraphExecutor(graph, small.weights)(x)["logits"]
+    assert got.shape == want.shape and float((got - want).norm() / want.norm()) < 3e-3
+
+
 def test_merged_multifunction_package_is_what_coremltools_writes(tmp_path):
     """Our streaming merge against coremltools' save_multifunction: the same spec (blob offsets aside),
     the same value behind every blob reference, and a shared weight stored once."""

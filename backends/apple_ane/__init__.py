@@ -127,7 +127,8 @@ class AneBackend(BackendBase):
             "function_inputs": {n: {"shape": list(shapes[n]), "layout": layout,
                                     "dtype": "int32" if module.input_is_int(n) else "float16"}
                                 for n, layout in module.input_layouts().items()},
-            "function_outputs": {n: {"ir_shape": list(graph.outputs[n].shape), "layout": layout}
+            "function_outputs": {n: {"ir_shape": list(graph.outputs[n].shape), "layout": layout,
+                                     "parts": module.output_parts()[n]}
                                  for n, layout in module.output_layouts().items()},
             "states": pkg.kv.to_json() if pkg.kv else None,
             "compression": {"precision": precision, "op": scheme(precision).op,

@@ -37,7 +37,7 @@ def convert_graph(module: AneGraphModule, precision: str) -> ct.models.MLModel:
         traced,
         inputs=[ct.TensorType(name=n, shape=s, dtype=np.int32 if module.input_is_int(n) else np.float16)
                 for n, s in shapes.items()],
-        outputs=[ct.TensorType(name=n, dtype=np.float16) for n in module.graph.outputs],
+        outputs=[ct.TensorType(name=n, dtype=np.float16) for n in module.output_names()],
         states=states,
         convert_to="mlprogram",
         minimum_deployment_target=DEPLOYMENT_TARGET,

@@ -37,9 +37,15 @@ def encode_inputs(artifact: dict, inputs: Mapping[str, torch.Tensor]) -> dict[st
 def decode_outputs(artifact: dict, raw: Mapping[str, np.ndarray]) -> dict[str, torch.Tensor]:
     out = {}
     for name, spec in artifact["function_outputs"].items():
-        t = torch.from_numpy(np.asarray(raw[name], dtype=np.float32))
+        parts = [torch.from_numpy(np.asarray(raw[p], dtype=np.float32)) for p in output_parts(name, spec)]
+        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # channel parts of a wide output
         out[name] = from_ane(t, tuple(spec["ir_shape"])).contiguous() if spec["layout"] == "ane" else t
     return out
+
+
+def output_parts(name: str, spec: dict) -> list[str]:
+    """The function outputs an IR output arrives in (several for one wider than the ANE's channel axis)."""
+    return spec.get("parts", [name])
 
 
 class PackageRuntime:
@@ -109,5 +115,6 @@ class AneExecutor:
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raw = self.runtime.run(self.function, encode_inputs(self.artifact, inputs))
         if isinstance(raw, tuple):  # a .pte method: outputs by position
-            raw = dict(zip(self.artifact["function_outputs"], raw))
+            raw = dict(zip([p for n, spec in self.artifact["function_outputs"].items()
+                            for p in output_parts(n, spec)], raw))
         return decode_outputs(self.artifact, raw)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from npumoe.backends.apple_ane.kvstate import KVState
+from npumoe.backends.apple_ane.rules import MAX_CHANNELS
 from npumoe.core.interpreter import value_shapes
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op, Role, TensorType
 
@@ -32,7 +33,7 @@ CONV_ROWS = 8192
 
 
 class Val(NamedTuple):
-    t: torch.Tensor
+    t: torch.Tensor | tuple[torch.Tensor, ...]  # a tuple: an output's channel parts (see output_parts)
     act: bool  # True: a logical [S, C] activation held as [1, C, 1, S]
 
 
@@ -113,6 +114,20 @@ class AneGraphModule(torch.nn.Module):
     def output_layouts(self) -> dict[str, str]:
         return {n: "ane" if is_activation(t) else "ir" for n, t in self.graph.outputs.items()}
 
+    def output_parts(self) -> dict[str, list[str]]:
+        """Outputs wider than the ANE's channel axis (a 151,936-token LM head): function outputs of at most
+        MAX_CHANNELS channels each, named ``NAME_i``, that the executor concatenates; the whole width never
+        exists on the device. Every other output is its own one part."""
+        parts, read = {}, {v for op in self.graph.ops for v in op.inputs}
+        for n, layout in self.output_layouts().items():
+            channels = self.graph.outputs[n].shape[-1]
+            wide = layout == "ane" and channels > MAX_CHANNELS and n not in read
+            parts[n] = [f"{n}_{i}" for i in range(-(-channels // MAX_CHANNELS))] if wide else [n]
+        return parts
+
+    def output_names(self) -> list[str]:
+        return [p for parts in self.output_parts().values() for p in parts]
+
     # -- tracing ----------------------------------------------------------------------------------
     def forward(self, *args: torch.Tensor):
         env: dict[str, Val] = {}
@@ -128,8 +143,14 @@ class AneGraphModule(torch.nn.Module):
             env[op.outputs[0]] = LOWER[op.op](self, op, [self._arg(n, env) for n in op.inputs], **op.a)
         if self.stateful:
             self._write_states(env, args[names.index(self.graph.inputs_with(Role.POSITION)[0])])
-        return tuple(self.as_act((n, env[n])) if layout == "ane" else self.logical(env[n], n)
-                     for n, layout in self.output_layouts().items())
+        out = []
+        for n, layout in self.output_layouts().items():
+            v = env[n]
+            if isinstance(v.t, tuple):
+                out.extend(v.t)
+            else:
+                out.append(self.as_act((n, v)) if layout == "ane" else self.logical(v, n))
+        return tuple(out)
 
     def _arg(self, name: str, env: dict[str, Val]):
         if name.startswith(WEIGHT_PREFIX):
@@ -154,12 +175,17 @@ class AneGraphModule(torch.nn.Module):
     def weight(self, name: str) -> torch.Tensor:
         return getattr(self, self._weight_attr[name])
 
-    def conv(self, x: torch.Tensor, name: str, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x`` [1, C, 1, S] through the linear ``name`` as 1×1 convs of ≤ CONV_ROWS outputs each."""
+    def conv(self, x: torch.Tensor, name: str, bias: torch.Tensor | None,
+             split: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """``x`` [1, C, 1, S] through the linear ``name`` as 1×1 convs of ≤ CONV_ROWS outputs each;
+        ``split``: as outputs of at most MAX_CHANNELS channels each instead of one tensor."""
         kernels = [getattr(self, attr) for attr in self._conv_attrs[name]]
         biases = bias.split(CONV_ROWS) if bias is not None else [None] * len(kernels)
         parts = [F.conv2d(x, w, b) for w, b in zip(kernels, biases)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        per_output = MAX_CHANNELS // CONV_ROWS if split else len(parts)
+        groups = [parts[i:i + per_output] for i in range(0, len(parts), per_output)]
+        joined = tuple(g[0] if len(g) == 1 else torch.cat(g, dim=1) for g in groups)
+        return joined if split else joined[0]
 
     def logical(self, v: Val, name: str) -> torch.Tensor:
         return from_ane(v.t, self.shapes[name]) if v.act else v.t
@@ -201,7 +227,8 @@ def _linear(m: AneGraphModule, op: Op, args, **_) -> Val:
     name, v = x
     shape = m.shapes[name]
     if len(shape) == 2:
-        return Val(m.conv(m.as_act(x), w, bias), True)
+        split = len(m.output_parts().get(op.outputs[0], ())) > 1  # a wide graph output, read by no other op
+        return Val(m.conv(m.as_act(x), w, bias, split), True)
     rows = 1
     for d in shape[:-1]:
         rows *= d

@@ -8,6 +8,8 @@ that coremltools cannot fold under numpy 2 (the layout module keeps them static 
 
 from __future__ import annotations
 
+import contextlib
+import io
 import tempfile
 from pathlib import Path
 
@@ -33,7 +35,13 @@ def convert_graph(module: AneGraphModule, precision: str) -> ct.models.MLModel:
     if module.stateful:
         states = [ct.StateType(wrapped_type=ct.TensorType(shape=s, dtype=np.float16), name=n)
                   for n, s in module.kv.shapes.items()]
-    mlmodel = ct.convert(
+    with contextlib.redirect_stderr(io.StringIO()):  # its per-pipeline progress bars: noise in npumoe's output
+        mlmodel = _convert(traced, module, shapes, states)
+        return compress(mlmodel, precision)
+
+
+def _convert(traced, module: AneGraphModule, shapes: dict, states) -> ct.models.MLModel:
+    return ct.convert(
         traced,
         inputs=[ct.TensorType(name=n, shape=s, dtype=np.int32 if module.input_is_int(n) else np.float16)
                 for n, s in shapes.items()],
@@ -45,7 +53,6 @@ def convert_graph(module: AneGraphModule, precision: str) -> ct.models.MLModel:
         pass_pipeline=passes.pipeline(),
         skip_model_load=True,
     )
-    return compress(mlmodel, precision)
 
 
 class PackageWriter:

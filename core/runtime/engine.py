@@ -46,7 +46,9 @@ class Engine:
         if artifacts is not None:
             from npumoe.core.artifacts import check_built_for, read_manifest
             from npumoe.core.plan import Plan
+            from npumoe.core.targets import target_directory
 
+            artifacts = target_directory(artifacts, backend)  # a multi-target build: this backend's part
             manifest = read_manifest(artifacts, verify=False)  # files are verified when loaded
             check_built_for(manifest, artifacts, model)  # before its plan's check, so the message names the artifacts
             chunk, max_context = manifest["chunk"], manifest["max_context"]

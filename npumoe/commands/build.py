@@ -1,4 +1,4 @@
-"""`npumoe build`: lower a planned program's NPU graphs to a target's artifacts."""
+"""`npumoe build`: every target from one model spec (``--targets``), or one planned target's artifacts."""
 
 from __future__ import annotations
 
@@ -8,9 +8,20 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from npumoe.commands.options import build_options, chosen_build_options, dtype_option, model_option, target_option
+from npumoe.commands.options import (
+    build_options,
+    chosen_build_options,
+    dtype_option,
+    model_option,
+    options_per_target,
+    target_option,
+)
+from npumoe.commands.plan import read_texts
 from npumoe.core.artifacts import build
-from npumoe.core.plan import Plan
+from npumoe.core.calibrate import default_calibration_texts
+from npumoe.core.outputs import claim
+from npumoe.core.plan import RESIDENCY, Plan
+from npumoe.core.targets import TARGETS, build_targets
 from npumoe.errors import InputError
 from npumoe.models.loader import load
 
@@ -18,8 +29,21 @@ from npumoe.models.loader import load
 @click.command("build")
 @model_option
 @dtype_option
-@click.option("--plan", "plan_path", required=True, type=click.Path(), help="Plan from npumoe plan.")
-@target_option(None, "Where the artifacts will run.", npu_only=True)
+@click.option("--targets", default=None, help="Every vendor in one go: comma-separated NPU targets (e.g. htp,ane). "
+                                              "Calibrates once on --text, plans each target from its own "
+                                              "Capabilities, builds each into OUT/TARGET and validates each "
+                                              "against the fp32 reference on held-out text.")
+@click.option("--text", "text_files", multiple=True, type=click.Path(),
+              help="--targets: calibration text file (repeatable) [default: Python's pydoc topics].")
+@click.option("--heldout", "heldout_file", default=None, type=click.Path(),
+              help="--targets: text to validate on [default: the last --text file (with one, its last tenth), "
+                   "which is then left out of calibration].")
+@click.option("--chunk", default=64, show_default=True, type=click.IntRange(1),
+              help="--targets: prefill chunk size the graphs are built for.")
+@click.option("--residency", type=click.Choice(RESIDENCY), default="auto", show_default=True,
+              help="--targets: expert groups on the NPU where a launch pays (auto), or all (npu) / none (cpu).")
+@click.option("--plan", "plan_path", default=None, type=click.Path(), help="One target: a plan from npumoe plan.")
+@target_option(None, "One target: where the artifacts will run.", npu_only=True, required=False)
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory (replaced only when complete).")
 @click.option("--max-context", default=512, show_default=True, type=click.IntRange(1),
               help="KV cache length compiled into the attention graphs.")
@@ -29,11 +53,23 @@ from npumoe.models.loader import load
               help="Compile this many units (graphs; ANE: packages) at once, each in its own process: faster on a "
                    "machine with cores and memory to spare (each holds one unit's weights while it compiles).")
 @build_options
-def build_command(model_dir, dtype, plan_path, target, out, max_context, layers, jobs, **options):
-    """Compile every NPU-placed graph of the plan, write the artifacts and manifest.json.
+def build_command(model_dir, dtype, targets, text_files, heldout_file, chunk, residency, plan_path, target, out,
+                  max_context, layers, jobs, **options):
+    """Compile a model's NPU graphs: every target from one spec (--targets), or one planned target.
 
-    Example: npumoe build --plan plan.json --target htp --precision w8a16 --out build/htp
+    \b
+    Examples:
+      npumoe build --targets htp,ane --text prompts.txt --out build     # calibrate, plan, build, validate
+      npumoe generate --artifacts build --target ane                    # run one of them
+      npumoe build --plan plan.json --target htp --precision w8a16 --out build/htp
     """
+    if targets is not None:
+        if plan_path or target or layers:
+            raise InputError("--targets calibrates and plans for you: give it without --plan, --target or --layers.")
+        return build_every_target(model_dir, dtype, targets, text_files, heldout_file, chunk, residency, out,
+                                  max_context, options)
+    if not (plan_path and target):
+        raise InputError("give --targets htp,ane (every target from one calibration), or --plan and --target.")
     model = load(model_dir, dtype=dtype)
     options = chosen_build_options(target, options)
     manifest = build(model, Plan.load(plan_path), target, out, max_context=max_context,
@@ -47,6 +83,51 @@ def build_command(model_dir, dtype, plan_path, target, out, max_context, layers,
     total = sum((Path(out) / rel).stat().st_size for rel in manifest["files"])  # graphs may share a package
     click.echo(f"wrote {out}: {len(manifest['graphs'])} graphs ({cached} from the build cache), "
                f"{len(manifest['files'])} files, {total / 1e6:.1f} MB, manifest.json")
+
+
+def build_every_target(model_dir, dtype, targets, text_files, heldout_file, chunk, residency, out, max_context,
+                       options) -> None:
+    names = [t.strip() for t in targets.split(",") if t.strip()]
+    per_target = options_per_target(names, options)
+    claim(out, TARGETS)
+    texts = read_texts(text_files) if text_files else default_calibration_texts()
+    texts, heldout = split_heldout(texts, read_texts((heldout_file,)) if heldout_file else None)
+    model = load(model_dir, dtype=dtype)
+    if model.tokenizer is None:
+        raise InputError(f"{model.name} has no tokenizer, which --targets needs to calibrate and validate on text.")
+    console = Console()
+    manifest = build_targets(model, names, texts, model.tokenizer.encode(heldout), out, chunk=chunk,
+                             max_context=max_context, residency=residency, options=per_target,
+                             report=lambda line: console.print(f"[dim]{line}[/dim]"))
+    table = Table("target", "cosine", "top-1 %", "greedy", "ppl (ref)", "padded %", "spilled %", "NPU launches/chunk",
+                  title=f"{model.name}: every target against the fp32 reference, {manifest['heldout_tokens']} "
+                        "held-out tokens")
+    for name, entry in manifest["targets"].items():
+        v = entry["validation"]
+        table.add_row(name, f"{v['cosine']:.5f}", f"{100 * v['top1_agreement']:.1f}",
+                      f"{v['greedy_match']}/{v['greedy_tokens']}",
+                      f"{v['perplexity']:.3f} ({v['reference_perplexity']:.3f})", f"{v['padded_pct']:.1f}",
+                      f"{v['spilled_pct']:.1f}", f"{v['npu_launches_per_chunk']:.1f}")
+    console.print(table)
+    console.print("cosine: of each position's logits with the reference's, averaged; top-1: positions whose most "
+                  "likely token agrees; greedy: new tokens equal to the reference's from the start; ppl: "
+                  "perplexity on the held-out text; padded: of NPU expert slots; spilled: of routed slots, run on "
+                  "the CPU past capacity.")
+    click.echo(f"wrote {out}: {', '.join(manifest['targets'])}, manifest.json (run one with npumoe generate "
+               f"--artifacts {out} --target {names[0]})")
+
+
+def split_heldout(texts: dict[str, str], heldout: dict[str, str] | None) -> tuple[dict[str, str], str]:
+    """Calibration texts and the held-out text: the one given, else the last text, else a single text's
+    last tenth — never text the calibration saw."""
+    if heldout is not None:
+        return texts, "\n".join(heldout.values())
+    if len(texts) > 1:
+        *kept, last = texts
+        return {k: texts[k] for k in kept}, texts[last]
+    (name, text), = texts.items()
+    cut = len(text) * 9 // 10
+    return {name: text[:cut]}, text[cut:]
 
 
 def parse_layers(text: str) -> set[int]:

@@ -25,11 +25,11 @@ def dtype_option(f):
     )(f)
 
 
-def target_option(default: str | None, help: str, npu_only: bool = False):
+def target_option(default: str | None, help: str, npu_only: bool = False, required: bool = True):
     """``--target``, its choices the installed backends (an entry-point plugin appears with no edit here)."""
     names = [name for name in plugins() if not (npu_only and name == "cpu")]
     lines = "; ".join(f"{name}: {plugins()[name].summary}" for name in names)
-    return click.option("--target", type=click.Choice(names), default=default, required=default is None,
+    return click.option("--target", type=click.Choice(names), default=default, required=required and default is None,
                         show_default=default is not None, help=f"{help} Installed: {lines}.")
 
 
@@ -55,3 +55,14 @@ def chosen_build_options(target: str, values: dict) -> dict:
             raise InputError(f"--{name.replace('_', '-')} does not apply to target {target}; its build options "
                              f"are: {accepted}.")
     return given
+
+
+def options_per_target(targets: list[str], values: dict) -> dict[str, dict]:
+    """With several targets, each build option goes to the targets that declare it; one no target declares
+    is refused."""
+    given = {name: value for name, value in values.items() if value not in (None, False)}
+    per_target = {t: {n: v for n, v in given.items() if n in {o.name for o in plugin(t).options}} for t in targets}
+    unused = sorted(set(given) - {n for chosen in per_target.values() for n in chosen})
+    if unused:
+        raise InputError(f"--{unused[0].replace('_', '-')} applies to none of {', '.join(targets)}.")
+    return per_target

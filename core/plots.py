@@ -36,16 +36,25 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path) -> Path:
+def png(fig) -> bytes:
+    """The figure as PNG bytes (closed afterwards): for files and for reports that inline their images."""
     import io
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, bbox_inches="tight", metadata=MARKER)
     _pyplot().close(fig)
-    return atomic_write_bytes(claim(path, FIGURE, "--plot"), buf.getvalue())
+    return buf.getvalue()
+
+
+def _save(fig, path) -> Path:
+    return atomic_write_bytes(claim(path, FIGURE, "--plot"), png(fig))
 
 
 def profile_heatmap(profile, path) -> Path:
+    return _save(profile_heatmap_figure(profile), path)
+
+
+def profile_heatmap_figure(profile):
     """Mean tokens per expert per chunk, one row per MoE layer, experts in index order."""
     plt = _pyplot()
     layers = profile.layers
@@ -56,7 +65,7 @@ def profile_heatmap(profile, path) -> Path:
     ax.set_xlabel("expert")
     ax.set_title(f"{profile.model_name}: mean tokens per expert per chunk of {profile.chunk}")
     fig.colorbar(im, ax=ax, label="tokens")
-    return _save(fig, path)
+    return fig
 
 
 def plan_figure(plan, path) -> Path:
@@ -85,3 +94,30 @@ def plan_figure(plan, path) -> Path:
     ax.set_title(f"plan for {plan.target}: capacity per expert, {plan.overflow} overflow, chunk {plan.chunk}")
     fig.colorbar(im, ax=ax, label="capacity")
     return _save(fig, path)
+
+
+def target_costs_figure(rows: dict[str, dict]):
+    """Per target: what its static shapes cost on held-out text (padding, spill, drops, %)."""
+    plt = _pyplot()
+    names, kinds = list(rows), ("padded_pct", "spilled_pct", "dropped_pct")
+    fig, ax = plt.subplots(figsize=(6, 3))
+    width = 0.8 / len(kinds)
+    for k, kind in enumerate(kinds):
+        ax.bar(np.arange(len(names)) + k * width, [rows[n][kind] for n in names], width, label=kind.removesuffix("_pct"))
+    ax.set_xticks(np.arange(len(names)) + width, names)
+    ax.set_ylabel("%")
+    ax.set_title("static shapes on held-out text: padded (of NPU slots), spilled and dropped (of routed)")
+    ax.legend()
+    return fig
+
+
+def estimates_figure(rows: dict[str, dict]):
+    """Estimated decode and prefill tokens/s per device (a cost model, labelled so)."""
+    plt = _pyplot()
+    bars = [(f"{target} on {device}", e) for target, row in rows.items() for device, e in row["estimated"].items()]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.4 * len(bars) + 1.5), sharey=True)
+    for ax, key in zip(axes, ("decode_tok_s", "prefill_tok_s")):
+        ax.barh([b[0] for b in bars], [b[1][key] for b in bars], color="tab:gray")
+        ax.set_xlabel(f"{key.removesuffix('_tok_s')} tokens/s (ESTIMATE)")
+    fig.suptitle("estimated from npumoe's cost model (core/costmodel.py), not measured on the devices")
+    return fig

@@ -13,11 +13,13 @@ is an ordinary artifact directory, so the per-target tools read it unchanged)::
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 from npumoe.core.artifacts import MANIFEST, build
 from npumoe.core.backend import get_backend, plugin
 from npumoe.core.calibrate import calibrate
+from npumoe.core.costmodel import workload
 from npumoe.core.io import atomic_write_text, read_json_artifact
 from npumoe.core.outputs import OutputKind, claim, json_kind, staged_directory
 from npumoe.core.plan import plan
@@ -63,8 +65,10 @@ def build_targets(model, targets: list[str], texts: dict[str, str], heldout_ids,
                   **options.get(target, {}))
             report(f"{target}: validating on {len(heldout_ids)} held-out tokens")
             checked = validate(model, target, staging / target, heldout_ids)
+            work = workload(model.spec, target_plan, checked.npu_launches_per_chunk)
             entries[target] = {"dir": target, "options": options.get(target, {}), "predicted": target_plan.predicted,
-                               "cpu_graphs": target_plan.cpu_graphs, "validation": checked.to_json()}
+                               "cpu_graphs": target_plan.cpu_graphs, "validation": checked.to_json(),
+                               "workload": asdict(work)}
         manifest = {"kind": KIND, "model": model.spec.fingerprint(), "model_name": model.name,
                     "weights": model.weights_fingerprint(), "chunk": chunk, "max_context": max_context,
                     "profile": PROFILE_FILE, "heldout_tokens": int(len(heldout_ids)), "targets": entries}

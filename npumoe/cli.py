@@ -39,6 +39,7 @@ COMMANDS = {
     "calibrate": "npumoe.commands.plan:calibrate_command",
     "plan": "npumoe.commands.plan:plan_command",
     "build": "npumoe.commands.build:build_command",
+    "compare": "npumoe.commands.compare:compare_command",
     "hub": "npumoe.backends.qualcomm_htp.hub:hub_command",
     "lint": "npumoe.backends.apple_ane.lint:lint_command",
     "quantize": "npumoe.commands.quantize:quantize_command",

@@ -64,3 +64,78 @@ def test_generate_picks_a_target_from_the_directory(built, capsys):
 def test_bad_target_lists_are_named_before_any_work(tmp_path, capsys, argv, message):
     assert message in cli_error(capsys, "build", *argv, "--out", str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()
+
+
+# -- npumoe compare ----------------------------------------------------------------------------------
+def test_compare_json_gives_every_target_its_metrics_and_estimates(built, capsys):
+    from npumoe.core.costmodel import DEVICES
+
+    main(["compare", str(built), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    manifest = json.loads((built / "manifest.json").read_text())
+    for target, row in result["targets"].items():
+        for key in ("cosine", "top1_agreement", "greedy_match", "padded_pct", "spilled_pct", "dropped_pct",
+                    "npu_launches_per_chunk", "artifact_bytes", "estimated"):
+            assert key in row, key
+        assert row["cosine"] == manifest["targets"][target]["validation"]["cosine"]
+        work = manifest["targets"][target]["workload"]
+        for device in (d for d in DEVICES if d.npu == target):  # the roofline by hand
+            decode = 1 / (work["decode_weight_bytes"] / (device.dram_gb_s * 1e9)
+                          + work["decode_launches"] * device.launch_us * 1e-6)
+            assert row["estimated"][device.name]["decode_tok_s"] == pytest.approx(decode)
+    assert {c["device"] for c in result["cost_model_check"]} <= {d.name for d in DEVICES}
+
+
+def test_compare_html_renders_in_chromium_with_its_numbers(built, tmp_path, capsys):
+    import shutil
+    import subprocess
+
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (ci/apt-packages.txt lists it; ci/test.sh installs it)")
+    page = tmp_path / "report.html"
+    main(["compare", str(built), "--html", str(page)])
+    capsys.readouterr()
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([chromium, *flags, "--dump-dom", page.as_uri()], capture_output=True, text=True,
+                         timeout=120).stdout
+    cosine = json.loads((built / "manifest.json").read_text())["targets"]["ane"]["validation"]["cosine"]
+    assert f"{cosine:.5f}" in dom and "Snapdragon 8 Gen 3" in dom and dom.count("data:image/png;base64") >= 2
+    shot = tmp_path / "shot.png"
+    subprocess.run([chromium, *flags, f"--screenshot={shot}", "--window-size=1000,1400", page.as_uri()],
+                   capture_output=True, timeout=120)
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(shot)
+    assert pixels.shape[:2] == (1400, 1000) and pixels.std() > 0.05  # drawn, not a blank page
+
+
+def test_compare_refuses_what_is_no_multi_target_build(built, tmp_path, capsys):
+    import shutil
+
+    assert "is a single target's build" in cli_error(capsys, "compare", str(built / "htp"))
+    broken = tmp_path / "broken"
+    shutil.copytree(built, broken)
+    shutil.rmtree(broken / "ane")
+    assert "has no manifest.json, so ane cannot be compared" in cli_error(capsys, "compare", str(broken))
+    other = tmp_path / "other"
+    shutil.copytree(built, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps({**manifest, "model": "0123456789abcdef"}))
+    assert "a comparison needs one model" in cli_error(capsys, "compare", str(other))
+    (tmp_path / "a-file").write_text("mine")
+    assert "--html" in cli_error(capsys, "compare", str(built), "--html", str(tmp_path / "a-file" / "r.html"))
+    assert "--html" in cli_error(capsys, "compare", str(built), "--html", str(tmp_path / "a-file"))  # not ours
+
+
+def test_cost_model_records_cite_every_number():
+    from npumoe.core.costmodel import DEVICES, PUBLISHED, Workload, estimate
+
+    for device in DEVICES:
+        assert {k for k, _ in device.sources} == {"npu_tops", "dram_gb_s", "launch_us"}
+        assert all(source.strip() for _, source in device.sources)
+    assert all(p.source and p.device in {d.name for d in DEVICES} for p in PUBLISHED)
+    small, large = Workload(1e9, 10, 2e9, 64, 5e9, 20), Workload(2e9, 10, 4e9, 64, 10e9, 20)
+    for device in DEVICES:  # more bytes a token: slower, never faster
+        assert estimate(device, large).decode_tok_s < estimate(device, small).decode_tok_s
+        assert estimate(device, large).prefill_tok_s <= estimate(device, small).prefill_tok_s

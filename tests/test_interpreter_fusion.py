@@ -33,7 +33,6 @@ def test_attention_graphs_run_fused_with_the_op_by_op_result():
     g = torch.Generator().manual_seed(0)
     inputs = {n: torch.randn(t.shape, generator=g) for n, t in graph.inputs.items() if t.dtype == "float32"}
     inputs["mask"] = torch.zeros(graph.inputs["mask"].shape)
-    reference = {}  # op by op, as OP_IMPLS define them
     env = dict(inputs)
     for op in graph.ops:
         args = [model.weights[a[2:]] if a.startswith("w:") else env[a] for a in op.inputs]

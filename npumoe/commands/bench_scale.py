@@ -200,8 +200,6 @@ def mapped_read_bandwidth(ckpt: Path, nbytes: int = 1 << 30) -> float:
     read once to bring them into the page cache, then timed): what decode reads, pages and all. A scratch
     buffer misleads both ways here: 256 MB read at 53-64 GB/s on a 2-vCPU EPYC whose guest sees a 32 MB L3,
     and a buffer on fragmented 4 KB pages at ~35."""
-    import numpy as np
-
     from npumoe.luts.kernels import kernels
     from npumoe.models.loader import load
 

@@ -1,0 +1,65 @@
+"""`npumoe compare`: every target of a multi-target build side by side."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from npumoe.core.compare import compare
+from npumoe.core.report import COLUMNS, cell
+
+
+@click.command("compare")
+@click.argument("out", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (targets → metrics) instead of tables.")
+@click.option("--html", "html_path", default=None, type=click.Path(),
+              help="Also write a self-contained HTML report (tables and figures inlined) here.")
+def compare_command(out, as_json, html_path):
+    """Accuracy, static-shape costs, artifact sizes and estimated tokens/s per device, per target.
+
+    \b
+    Example:
+      npumoe build --targets htp,ane --out build && npumoe compare build --html report.html
+    """
+    if html_path:
+        from npumoe.core.outputs import claim
+        from npumoe.core.report import REPORT
+
+        claim(html_path, REPORT, "--html")  # before reading anything: an unwritable path fails first
+    result = compare(out)
+    if as_json:
+        click.echo(json.dumps(result, indent=1))
+    else:
+        render(result, Console())
+    if html_path:
+        from npumoe.core.report import write_html
+
+        click.echo(f"wrote {write_html(result, out, html_path)}", err=as_json)
+
+
+def render(result: dict, console: Console) -> None:
+    rows = result["targets"]
+    table = Table("target", *(h for _, h, _, _ in COLUMNS),
+                  title=f"{result['model']}: every target against the fp32 reference ({result['heldout_tokens']} "
+                        "held-out tokens)")
+    for target, row in rows.items():
+        table.add_row(target, *(cell(row, key, fmt) for key, _, fmt, _ in COLUMNS))
+    console.print(table)
+    for _, header, _, meaning in COLUMNS:
+        console.print(f"[dim]{header}: {meaning}[/dim]")
+    estimates = Table("target", "device", "decode tok/s", "prefill tok/s",
+                      title="ESTIMATED per device (npumoe's cost model, core/costmodel.py; not measured)")
+    for target, row in rows.items():
+        for device, e in row["estimated"].items():
+            estimates.add_row(target, device, f"{e['decode_tok_s']:.1f}", f"{e['prefill_tok_s']:.0f}")
+    console.print(estimates)
+    check = Table("device", "published figure", "published tok/s", "estimate", "estimate / published",
+                  title="the cost model against published figures it was not fitted to")
+    for c in result["cost_model_check"]:
+        check.add_row(c["device"], c["label"], f"{c['published_tok_s']:.1f}", f"{c['estimate_tok_s']:.1f}",
+                      f"{c['ratio']:.2f}")
+    console.print(check)
+    console.print("[dim]each figure's workload assumptions and source: npumoe compare --json (cost_model_check)[/dim]")

@@ -2,5 +2,5 @@
 # Fresh machine → npumoe installed → the main job on the embedded demo model.
 source "$(dirname "$0")/lib.sh"
 ensure_torch
-"$PY" -m pip install --quiet -e .
+"$PY" -m pip install --quiet -e ".[demo]"  # the demo builds for the HTP and the ANE
 npumoe demo "$@"

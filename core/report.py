@@ -15,6 +15,7 @@ MARK = '<meta name="generator" content="npumoe compare">'
 REPORT = OutputKind("an npumoe HTML report", directory=False,
                     recognise=lambda path: path.is_file() and MARK in path.read_text(errors="replace")[:2000])
 
+ACCURACY_COLUMNS = 5  # the first five of COLUMNS; the rest are costs
 COLUMNS = (  # (key, header, format, what it means)
     ("cosine", "cosine", "{:.5f}", "of each held-out position's logits with the fp32 reference's, averaged"),
     ("top1_agreement", "top-1", "{:.1%}", "positions whose most likely next token is the reference's"),
@@ -24,8 +25,8 @@ COLUMNS = (  # (key, header, format, what it means)
     ("padded_pct", "padded %", "{:.1f}", "of NPU expert slots, padding"),
     ("spilled_pct", "spilled %", "{:.1f}", "of routed token-slots, run on the CPU past a group's capacity"),
     ("dropped_pct", "dropped %", "{:.1f}", "of routed token-slots, dropped"),
-    ("npu_launches_per_chunk", "launches/chunk", "{:.1f}", "NPU graph launches per prefill chunk (measured)"),
-    ("npu_launches_per_decode", "launches/decode", "{:.0f}", "NPU graph launches per decode step (from the plan)"),
+    ("npu_launches_per_chunk", "NPU/chunk", "{:.1f}", "NPU graph launches per prefill chunk (measured)"),
+    ("npu_launches_per_decode", "NPU/decode", "{:.0f}", "NPU graph launches per decode step (from the plan)"),
     ("graphs", "graphs", "{}", "compiled graphs"),
     ("artifact_bytes", "MB", "{:.1f}", "artifact bytes on disk, MB"),
 )

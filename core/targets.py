@@ -17,14 +17,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from npumoe.core.artifacts import MANIFEST, build
-from npumoe.core.backend import get_backend, plugin
+from npumoe.core.backend import get_backend, plugin, plugins
 from npumoe.core.calibrate import calibrate
 from npumoe.core.costmodel import workload
 from npumoe.core.io import atomic_write_text, read_json_artifact
 from npumoe.core.outputs import OutputKind, claim, json_kind, staged_directory
 from npumoe.core.plan import plan
 from npumoe.core.validate import validate
-from npumoe.errors import ArtifactError, InputError
+from npumoe.errors import ArtifactError, InputError, NpumoeError
 
 KIND = "npumoe.Targets"
 TARGETS = OutputKind("an npumoe multi-target build (npumoe build --targets)", directory=True,
@@ -47,14 +47,15 @@ def check_targets(targets: list[str], options: dict[str, dict]) -> None:
 
 def build_targets(model, targets: list[str], texts: dict[str, str], heldout_ids, out_dir, *, chunk: int,
                   max_context: int = 512, residency: str = "auto", options: dict[str, dict] | None = None,
-                  progress: bool = True, report=lambda message: None) -> dict:
-    """Build ``targets`` from one calibration of ``texts``; validate each on ``heldout_ids``; return the
-    top-level manifest. ``report`` hears one line per step (the CLI prints them)."""
+                  progress: bool = True, report=lambda message: None, profile=None) -> dict:
+    """Build ``targets`` from one calibration of ``texts`` (or the given ``profile``); validate each on
+    ``heldout_ids``; return the top-level manifest. ``report`` hears one line per step (the CLI prints them)."""
     options = options or {}
     out_dir = claim(out_dir, TARGETS)
     check_targets(targets, options)
-    report(f"calibrating on {len(texts)} text(s), chunk {chunk}")
-    profile = calibrate(model, list(texts.values()), chunk=chunk, progress=progress, sources=list(texts)[:50])
+    if profile is None:
+        report(f"calibrating on {len(texts)} text(s), chunk {chunk}")
+        profile = calibrate(model, list(texts.values()), chunk=chunk, progress=progress, sources=list(texts)[:50])
     entries = {}
     with staged_directory(out_dir) as staging:
         profile.save(staging / PROFILE_FILE)
@@ -74,6 +75,20 @@ def build_targets(model, targets: list[str], texts: dict[str, str], heldout_ids,
                     "profile": PROFILE_FILE, "heldout_tokens": int(len(heldout_ids)), "targets": entries}
         atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=1))  # targets in the order given
     return manifest
+
+
+def installed_npu_targets() -> tuple[list[str], dict[str, str]]:
+    """The NPU targets whose toolchains load here, and why each other one does not."""
+    usable, missing = [], {}
+    for name in plugins():
+        if name == "cpu":
+            continue
+        try:
+            get_backend(name)
+            usable.append(name)
+        except NpumoeError as err:
+            missing[name] = str(err)
+    return usable, missing
 
 
 def read_targets(out_dir) -> dict | None:

@@ -144,13 +144,16 @@ class Engine:
             new.append(token)
             if token in eos or len(new) == max_new_tokens:
                 break
-            logits = self.decode(token)
+            logits = self._decode(token)
         tokens = np.asarray(new, dtype=np.int64)
         return (tokens, torch.stack(seen).numpy()) if return_logits else tokens
 
-    def decode(self, token: int) -> torch.Tensor:
+    def decode(self, token: int) -> np.ndarray:
         """One decode step after :meth:`generate` or :meth:`forward`: ``token`` appended to the sequence in
-        the cache, the logits [vocab] of the next position."""
+        the cache, the logits [vocab] (fp32) of the next position."""
+        return self._decode(int(token)).numpy()
+
+    def _decode(self, token: int) -> torch.Tensor:
         if self.cache.length >= self.cache.capacity:
             raise InputError(f"the KV cache is full ({self.cache.capacity} tokens); raise max_context.")
         if not 0 <= token < self.spec.vocab_size:

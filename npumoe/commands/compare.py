@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from npumoe.core.compare import compare
-from npumoe.core.report import COLUMNS, cell
+from npumoe.core.report import ACCURACY_COLUMNS, COLUMNS, cell
 
 
 @click.command("compare")
@@ -42,14 +42,16 @@ def compare_command(out, as_json, html_path):
 
 def render(result: dict, console: Console) -> None:
     rows = result["targets"]
-    table = Table("target", *(h for _, h, _, _ in COLUMNS),
-                  title=f"{result['model']}: every target against the fp32 reference ({result['heldout_tokens']} "
-                        "held-out tokens)")
-    for target, row in rows.items():
-        table.add_row(target, *(cell(row, key, fmt) for key, _, fmt, _ in COLUMNS))
-    console.print(table)
-    for _, header, _, meaning in COLUMNS:
-        console.print(f"[dim]{header}: {meaning}[/dim]")
+    accuracy, costs = COLUMNS[:ACCURACY_COLUMNS], COLUMNS[ACCURACY_COLUMNS:]  # two tables fit 80 columns
+    for columns, title in ((accuracy, f"{result['model']}: every target against the fp32 reference "
+                                      f"({result['heldout_tokens']} held-out tokens)"),
+                           (costs, "what the static shapes cost on that text, and what was built")):
+        table = Table("target", *(h for _, h, _, _ in columns), title=title)
+        for target, row in rows.items():
+            table.add_row(target, *(cell(row, key, fmt) for key, _, fmt, _ in columns))
+        console.print(table)
+        for _, header, _, meaning in columns:
+            console.print(f"[dim]{header}: {meaning}[/dim]")
     estimates = Table("target", "device", "decode tok/s", "prefill tok/s",
                       title="ESTIMATED per device (npumoe's cost model, core/costmodel.py; not measured)")
     for target, row in rows.items():

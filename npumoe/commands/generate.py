@@ -122,9 +122,12 @@ def plan_table(model, profile, targets=("cpu", "htp", "ane")) -> Table:
 @click.option("--max-new-tokens", "-n", default=48, show_default=True, type=click.IntRange(1))
 @click.option("--calibration-texts", default=12, show_default=True, type=click.IntRange(1),
               help="Documents of the demo corpus's training split to calibrate on (first 2 KB of each).")
-def demo_command(prompt, max_new_tokens, calibration_texts):
-    """The main job on the embedded demo model: generate, calibrate, plan for every target, and
-    check that the planned static-shape runtime gives the reference engine's results.
+@click.option("--out", default="npumoe-demo", show_default=True, type=click.Path(),
+              help="Where step 5 writes every target's artifacts, manifest.json and report.html.")
+def demo_command(prompt, max_new_tokens, calibration_texts, out):
+    """The main job on the embedded demo model: generate, calibrate, plan for every target, check the
+    planned static-shape runtime against the reference, then build every installed NPU target and
+    compare them.
 
     \b
     Steps:
@@ -133,13 +136,18 @@ def demo_command(prompt, max_new_tokens, calibration_texts):
       3. plan capacity tiers, expert groups and residency for cpu, htp and ane;
       4. prefill held-out text with every expert group forced onto static NPU-shaped buffers
          (the htp plan, overflow spilled to the CPU path) and compare logits and generated
-         tokens with the reference.
+         tokens with the reference;
+      5. build htp and ane (each installed target) from that one calibration, run each target's saved
+         artifacts (QNN's HTP emulator, the MIL interpreter) on held-out text, and print the
+         cross-vendor comparison; --out gets the artifacts and report.html.
     """
     from npumoe.core.calibrate import calibrate
     from npumoe.core.plan import plan
+    from npumoe.core.targets import TARGETS
     from npumoe.models.demo import corpus
 
     console = Console()
+    claim(out, TARGETS)
     model = load()
     if not prompt:
         raise InputError("the prompt is empty; pass --prompt TEXT.")
@@ -161,6 +169,9 @@ def demo_command(prompt, max_new_tokens, calibration_texts):
     texts = [t[:2048] for t in corpus.calibration_texts(calibration_texts)]
     profile = calibrate(model, texts, chunk=64, window=512, progress=True)
     console.print(plan_table(model, profile))
+    console.print("[dim]groups: static expert-group graphs per layer; on NPU: those placed on the NPU; padded %: "
+                  "predicted share of NPU expert slots that are padding; overflow %: predicted share of routed "
+                  "token-slots past their group's capacity (spilled to the CPU path)[/dim]")
 
     forced = plan(model, profile, target="htp", residency="npu")
     planned = Engine(model, plan=forced)
@@ -180,3 +191,25 @@ def demo_command(prompt, max_new_tokens, calibration_texts):
                                                          else "[red]differ from the reference[/red]"))
     if not same or gap > 1e-4:
         raise SystemExit(1)
+    every_target(model, profile, held, out, console)
+
+
+def every_target(model, profile, held, out: str, console: Console) -> None:
+    """Step 5: every installed NPU target from the one profile, run from its saved artifacts, compared."""
+    from npumoe.commands.compare import render
+    from npumoe.core.compare import compare
+    from npumoe.core.report import write_html
+    from npumoe.core.targets import build_targets, installed_npu_targets
+
+    targets, missing = installed_npu_targets()
+    for name, why in missing.items():
+        console.print(f"[yellow]{name} skipped[/yellow]: {why}")
+    if not targets:
+        console.print("no NPU toolchain is installed, so nothing was built: pip install 'npumoe[demo]'.")
+        return
+    console.print(f"building {', '.join(targets)} from the same profile and validating each on held-out text")
+    build_targets(model, targets, {}, held, out, chunk=profile.chunk, residency="npu", profile=profile,
+                  report=lambda line: console.print(f"[dim]{line}[/dim]"))
+    result = compare(out)
+    render(result, console)
+    console.print(f"wrote {out} and {write_html(result, out, Path(out) / 'report.html')}")

@@ -186,7 +186,8 @@ class HtpBackend(BackendBase):
         return {"name": self.name, "via": self.via, "precision": self.precision, "quantization": scheme[self.precision],
                 "soc_model": self.soc, "soc": self.soc_name, "htp_arch": self.htp_arch,
                 "qnn_version": versions()["qnn"], "onnxruntime_qnn": versions()["onnxruntime_qnn"], **toolchain,
-                "mask_floor": MASK_FLOOR, "calibration": self.calibration}
+                "mask_floor": MASK_FLOOR, "calibration": self.calibration,
+                "keep_onnx": self.keep_onnx}  # in the build cache's key: a unit built without its ONNX has none
 
 
 __all__ = ["HTP_CAPS", "HtpBackend"]

@@ -40,6 +40,7 @@ COMMANDS = {
     "plan": "npumoe.commands.plan:plan_command",
     "build": "npumoe.commands.build:build_command",
     "compare": "npumoe.commands.compare:compare_command",
+    "conformance": "npumoe.commands.conformance:conformance_command",
     "hub": "npumoe.backends.qualcomm_htp.hub:hub_command",
     "lint": "npumoe.backends.apple_ane.lint:lint_command",
     "quantize": "npumoe.commands.quantize:quantize_command",

@@ -12,3 +12,16 @@ def private_build_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("NPUMOE_BUILD_CACHE", str(tmp_path_factory.mktemp("build-cache")))
         yield
+
+
+def pytest_addoption(parser):
+    parser.addoption("--backend", action="append", default=None,
+                     help="Run the conformance suite only for this backend (repeatable); default: every installed one.")
+
+
+def pytest_generate_tests(metafunc):
+    if "conformance_target" in metafunc.fixturenames:
+        from npumoe.core.backend import plugins
+
+        chosen = metafunc.config.getoption("backend") or list(plugins())
+        metafunc.parametrize("conformance_target", chosen, scope="module")

@@ -1,0 +1,194 @@
+"""What "a working backend" means, as checks every backend runs (compare ggml's test-backend-ops).
+
+Each check has a stable id and compares the backend with the reference interpreter at the tolerance
+the backend declares (``BackendPlugin.conformance``): every graph kind lowered, loaded and run; the
+engine's prefill and decode under a plan that puts every group on the NPU; artifacts loaded and run in
+a fresh process; a rebuild from an empty build cache. A check the backend is excused from is skipped
+with the reason its plugin gives. Runs on the demo model, so it needs no checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from npumoe.core.backend import get_backend, plugin
+from npumoe.core.interpreter import TorchGraphExecutor
+from npumoe.core.ir import Role
+
+CHUNK, MAX_CONTEXT = 16, 64
+PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n"
+KINDS = ("attention", "experts", "ffn", "lm_head")
+
+
+class NotApplicable(Exception):
+    """The check has nothing to test on this model or backend: reported as skipped, with the reason."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    check: str
+    status: str  # passed | failed | skipped
+    detail: str  # the measured error against the tolerance, or why it failed or was skipped
+
+    def to_json(self) -> dict:
+        return {"check": self.check, "status": self.status, "detail": self.detail}
+
+
+class Conformance:
+    """The checks for one target, sharing one build of the demo model's planned graphs."""
+
+    def __init__(self, target: str, work: Path):
+        import npumoe
+        from npumoe.core.calibrate import calibrate
+        from npumoe.core.plan import plan
+
+        self.target, self.work = target, Path(work)
+        self.declared = plugin(target).conformance
+        self.model = npumoe.load()
+        self.ids = np.asarray(self.model.tokenizer.encode(PROMPT))[: MAX_CONTEXT - 16]  # room to generate
+        profile = calibrate(self.model, [PROMPT * 8], chunk=CHUNK)
+        self.plan = plan(self.model, profile, target=target, residency="npu")
+        self.artifacts = self.work / "artifacts"
+
+    def checks(self) -> dict[str, Callable[[], str]]:
+        """Check id → a function returning what it measured (raising AssertionError when it fails)."""
+        graph_checks = {f"graph.{kind}": (lambda kind=kind: self.graph_kind(kind)) for kind in KINDS}
+        return {"build": self.build, **graph_checks, "engine.prefill_decode": self.engine,
+                "artifacts.fresh_process": self.fresh_process, "build.deterministic": self.rebuild}
+
+    def run(self, progress: Callable[[str], None] = lambda check: None) -> list[Outcome]:
+        skips = dict(self.declared.skips)
+        outcomes = []
+        for check, fn in self.checks().items():
+            progress(check)
+            if check in skips:
+                outcomes.append(Outcome(check, "skipped", skips[check]))
+                continue
+            try:
+                outcomes.append(Outcome(check, "passed", fn()))
+            except NotApplicable as why:
+                outcomes.append(Outcome(check, "skipped", str(why)))
+            except Exception as err:  # a failing backend may raise anything; the table names it
+                outcomes.append(Outcome(check, "failed", f"{type(err).__name__}: {err}"[:300]))
+        return outcomes
+
+    # -- the checks -----------------------------------------------------------------------------
+    def build(self) -> str:
+        from npumoe.core.artifacts import build
+
+        manifest = build(self.model, self.plan, self.target, self.artifacts, max_context=MAX_CONTEXT, progress=False)
+        return f"{len(manifest['graphs'])} graphs"
+
+    def graph_kind(self, kind: str) -> str:
+        """One built graph of ``kind`` on random inputs (empty KV cache) against the interpreter."""
+        from npumoe.core.artifacts import load_executors
+        from npumoe.core.program import build_program
+
+        program = build_program(self.model.spec, chunk=self.plan.chunk, max_context=MAX_CONTEXT, plan=self.plan)
+        graphs = [g for g in program.graphs.values() if g.kind == kind and g.placement == "npu"]
+        if not graphs:
+            raise NotApplicable(f"the demo model has no {kind} graph on the NPU under this plan")
+        graph = max(graphs, key=lambda g: g.inputs[next(iter(g.inputs))].shape[0])  # its prefill chunk
+        executor = load_executors(get_backend(self.target), self.artifacts, [graph], self.model.weights,
+                                  self.model)[graph.name]
+        feed = random_feed(graph)
+        got = executor({n: t for n, t in feed.items()
+                        if not (executor.keeps_state and graph.inputs[n].role == Role.KV_CACHE)})
+        want = TorchGraphExecutor(graph, self.model.weights)(feed)
+        return self._within(got, want)
+
+    def engine(self) -> str:
+        from npumoe.core.runtime.engine import Engine
+
+        run = Engine(self.model, backend=self.target, artifacts=self.artifacts)
+        reference = Engine(self.model, chunk=run.program.chunk, max_context=run.cache.capacity)
+        got, want = run.forward(self.ids), reference.forward(self.ids)
+        cosine = float(np.min(_cosines(got, want)))
+        assert cosine >= self.declared.min_cosine, f"prefill logits cosine {cosine:.6f} < {self.declared.min_cosine}"
+        same = np.array_equal(run.generate(self.ids, 8), reference.generate(self.ids, 8))
+        assert same, "greedy decode differs from the reference's"
+        return f"prefill cosine ≥ {cosine:.6f}, 8 greedy tokens equal"
+
+    def fresh_process(self) -> str:
+        """The artifacts loaded and run by a new interpreter: nothing lives only in the builder's memory."""
+        from npumoe.core.runtime.engine import Engine
+
+        here = Engine(self.model, backend=self.target, artifacts=self.artifacts).forward(self.ids)
+        out = self.work / "fresh.npy"
+        script = ("import sys, numpy as np, npumoe\n"
+                  "m = npumoe.load()\n"
+                  "eng = npumoe.Engine(m, backend=sys.argv[1], artifacts=sys.argv[2])\n"
+                  "np.save(sys.argv[4], eng.forward(np.asarray(eval(sys.argv[3]))))\n")
+        done = subprocess.run([sys.executable, "-c", script, self.target, str(self.artifacts),
+                               json.dumps(self.ids.tolist()), str(out)], capture_output=True, text=True,
+                              timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        assert done.returncode == 0, done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "no output"
+        gap = float(np.abs(np.load(out) - here).max())
+        assert gap <= 1e-5, f"logits differ by {gap:.2e} between processes"
+        return f"max |Δ| {gap:.1e} between processes"
+
+    def rebuild(self) -> str:
+        """A rebuild from an empty build cache runs to the same logits (bytes may differ: timestamps)."""
+        from npumoe.core.artifacts import build
+        from npumoe.core.runtime.engine import Engine
+
+        again = self.work / "again"
+        previous = os.environ.get("NPUMOE_BUILD_CACHE")
+        os.environ["NPUMOE_BUILD_CACHE"] = str(self.work / "empty-cache")
+        try:
+            build(self.model, self.plan, self.target, again, max_context=MAX_CONTEXT, progress=False)
+        finally:
+            os.environ.pop("NPUMOE_BUILD_CACHE") if previous is None else os.environ.update(
+                NPUMOE_BUILD_CACHE=previous)
+        first = Engine(self.model, backend=self.target, artifacts=self.artifacts).forward(self.ids)
+        second = Engine(self.model, backend=self.target, artifacts=again).forward(self.ids)
+        gap = float(np.abs(first - second).max())
+        assert gap == 0.0, f"a rebuild's logits differ by {gap:.2e}"
+        return "identical logits"
+
+    def _within(self, got: dict, want: dict) -> str:
+        worst_cos, worst_rel = 1.0, 0.0
+        for name, w in want.items():
+            g = got[name].float()
+            assert g.shape == w.shape, f"{name}: shape {tuple(g.shape)}, the reference's {tuple(w.shape)}"
+            rel = float((g - w).abs().max() / (w.abs().max() + 1e-30))
+            cos = float(torch.nn.functional.cosine_similarity(g.flatten(), w.flatten(), dim=0))
+            worst_cos, worst_rel = min(worst_cos, cos), max(worst_rel, rel)
+        limit = self.declared
+        assert worst_cos >= limit.min_cosine and worst_rel <= limit.max_relative_error, (
+            f"cosine {worst_cos:.6f} (≥ {limit.min_cosine}), relative error {worst_rel:.2e} "
+            f"(≤ {limit.max_relative_error:.0e})")
+        return f"cosine {worst_cos:.6f}, relative error {worst_rel:.1e}"
+
+
+def random_feed(graph) -> dict[str, torch.Tensor]:
+    """Inputs a graph accepts: random activations and tables, an open mask, an empty cache, position 0."""
+    g = torch.Generator().manual_seed(0)
+    feed = {}
+    for name, t in graph.inputs.items():
+        if t.role == Role.POSITION:
+            feed[name] = torch.zeros(t.shape, dtype=torch.int32)
+        elif t.role in (Role.MASK, Role.KV_CACHE):
+            feed[name] = torch.zeros(t.shape)
+        else:
+            feed[name] = torch.randn(t.shape, generator=g)
+    return feed
+
+
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1) + 1e-30)
+
+
+def run_conformance(target: str, progress: Callable[[str], None] = lambda check: None) -> list[Outcome]:
+    with tempfile.TemporaryDirectory(prefix="npumoe-conformance-") as work:
+        return Conformance(target, Path(work)).run(progress)

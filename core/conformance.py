@@ -71,6 +71,9 @@ class Conformance:
         outcomes = []
         for check, fn in self.checks().items():
             progress(check)
+            if outcomes and outcomes[0].check == "build" and outcomes[0].status == "failed":
+                outcomes.append(Outcome(check, "failed", "not run: the build failed"))
+                continue
             if check in skips:
                 outcomes.append(Outcome(check, "skipped", skips[check]))
                 continue

@@ -17,7 +17,8 @@ pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed 
 pytest.importorskip("onnx")
 
 from npumoe.core.backend import get_backend
-from npumoe.backends.qualcomm_htp import HtpBackend, onnx_graph, qnn
+from npumoe.backends import onnx_export
+from npumoe.backends.qualcomm_htp import HtpBackend, qnn
 from npumoe.core.ir import Graph, GraphBuilder, Op, TensorType, w
 from npumoe.errors import BackendUnavailableError, InputError
 
@@ -48,7 +49,7 @@ def test_a_node_the_htp_rejects_is_named_with_its_ir_op(monkeypatch, tmp_path):
     def gelu_via_erf(b, op, out):  # not the exact GELU formula, which onnxruntime would fuse into Gelu
         return b.node("Mul", op.inputs[0], b.node("Erf", op.inputs[0]), out=out)
 
-    monkeypatch.setitem(onnx_graph.LOWERINGS, "gelu", gelu_via_erf)
+    monkeypatch.setitem(onnx_export.LOWERINGS, "gelu", gelu_via_erf)
     graph, weights = tiny_graph("gelu")
     with pytest.raises(InputError, match=r"rejects node 'y/Erf_\d+' \(ONNX Erf, lowered from IR op 'gelu'") as err:
         HtpBackend().lower(graph, weights, tmp_path)
@@ -63,7 +64,7 @@ def test_a_node_that_fails_at_qnn_finalize_is_named_with_its_ir_op(monkeypatch, 
         rows = np.arange(op.a["start"], op.a["stop"], op.a["step"]).reshape(-1, 1)
         return b.node("GatherND", op.inputs[0], b.const(rows, np.int64), out=out)
 
-    monkeypatch.setitem(onnx_graph.LOWERINGS, "slice", slice_via_gathernd)
+    monkeypatch.setitem(onnx_export.LOWERINGS, "slice", slice_via_gathernd)
     b = GraphBuilder()
     z = b("relu", "z")  # a node before the culprit, so that finding it takes the bisection
     b.rename_output(b("add", b("slice", "x", axis=0, start=0, stop=8, step=1), z), "y")

@@ -1,6 +1,6 @@
 """The Qualcomm Hexagon NPU (HTP) backend: QNN context binaries through ONNX Runtime's QNN EP.
 
-``build`` lowers each NPU graph to ONNX (:mod:`.onnx_graph`), optionally to QDQ w8a16 /
+``build`` lowers each NPU graph to ONNX (:mod:`npumoe.backends.onnx_export`), optionally to QDQ w8a16 /
 w4a16 with activation ranges captured from the reference program (:mod:`.calibration`,
 :mod:`.quantize`), and compiles it on QNN's HTP backend with CPU fallback disabled into an
 EPContext model: ``graphs/<name>_ctx.onnx`` plus its QNN context binary, the files a
@@ -111,7 +111,7 @@ class HtpBackend(BackendBase):
 
     def _lower_onnx(self, graph, weights, out_dir: Path) -> dict:
         from npumoe.backends.qualcomm_htp.diagnose import rejection_error
-        from npumoe.backends.qualcomm_htp.onnx_graph import UnsupportedOp, to_onnx
+        from npumoe.backends.onnx_export import UnsupportedOp, to_onnx
         from npumoe.backends.qualcomm_htp.qnn import session
 
         try:
@@ -169,7 +169,7 @@ class HtpBackend(BackendBase):
 
     def describe(self) -> dict:
         from npumoe.backends.qualcomm_htp.executor import MASK_FLOOR
-        from npumoe.backends.qualcomm_htp.onnx_graph import OPSET
+        from npumoe.backends.onnx_export import OPSET
         from npumoe.backends.qualcomm_htp.qnn import versions
 
         if self.via == "executorch":

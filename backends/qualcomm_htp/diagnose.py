@@ -3,7 +3,7 @@
 With CPU fallback disabled, ONNX Runtime's error names no node. The same model is
 therefore opened once more with fallback allowed and ``session.record_ep_graph_assignment_info``,
 and the nodes the CPU received are the ones the HTP rejected. ONNX node names start with
-the IR op's output value (see :mod:`.onnx_graph`), which leads back to the IR op.
+the IR op's output value (see :mod:`npumoe.backends.onnx_export`), which leads back to the IR op.
 
 A node can also pass that check and fail later, when QNN finalizes the graph (e.g. GatherND
 on a 16 MB input: QNN_COMMON_ERROR_MEM_ALLOC). QNN's log names no node then (its verbose log

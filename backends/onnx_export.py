@@ -1,4 +1,5 @@
-"""IR graph → ONNX model (fp32, static shapes) in the subset QNN's HTP compiles.
+"""IR graph → ONNX model (fp32, static shapes): standard ONNX in the subset QNN's HTP compiles, which
+OpenVINO (the Intel NPU backend) reads as well.
 
 Each IR op becomes a few standard ONNX nodes whose names start with the IR op's output
 value (``linear_3/MatMul``), so a node the HTP rejects can be traced back to its IR op.

@@ -1,0 +1,28 @@
+"""Intel's NPU (Core Ultra) through OpenVINO, as the registry knows it. No OpenVINO import needed."""
+
+from npumoe.core.backend import BackendPlugin, BuildOption, Capabilities, Conformance
+from npumoe.core.ir import OPS
+
+NPU_DOCS = "docs.openvino.ai/2026/openvino-workflow/running-inference/inference-devices-and-modes/npu-device.html"
+
+INTEL_NPU_CAPS = Capabilities(
+    name="intel_npu",
+    ops=frozenset(OPS) - {"lut_linear"},  # graphs go through standard ONNX (npumoe.backends.onnx_export)
+    alignment=16,  # estimate: FP16 tiles of 16 channels; OpenVINO documents no capacity rule
+    max_graph_bytes=2 << 30,  # estimate: one compiled blob per graph kept well under the driver's 4 GB mappings
+    dispatch_seconds=5e-4,  # estimate: one synchronous infer request through the NPU driver, order of magnitude
+    flops_per_second=5e12,  # estimate: fp16, sustained on FFN-sized matmuls (NPU 3720 is marketed at ~11 TOPS int8)
+    notes=(
+        f"static shapes only, FP16 compute on the device ({NPU_DOCS}; Supported Devices: dynamic shapes No)",
+        "compiled for device NPU where OpenVINO lists one; elsewhere run on OpenVINO's CPU device (said in the "
+        "manifest and by the executor)",
+    ),
+)
+
+PLUGIN = BackendPlugin(
+    name="intel_npu", caps=INTEL_NPU_CAPS, factory="npumoe.backends.intel_npu:IntelNpuBackend", extra="intel",
+    summary="Intel NPU (Core Ultra) through OpenVINO IR; runs here on OpenVINO's CPU device when no NPU is present",
+    options=(BuildOption("device", "OpenVINO device to compile for: NPU (default when present), CPU or AUTO"),),
+    # fp16 on the device; on the CPU stand-in only the fp16 weights differ: conformance measured <= 4.2e-4
+    conformance=Conformance(min_cosine=0.9999, max_relative_error=5e-3),
+)

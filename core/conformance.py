@@ -128,10 +128,10 @@ class Conformance:
 
         here = Engine(self.model, backend=self.target, artifacts=self.artifacts).forward(self.ids)
         out = self.work / "fresh.npy"
-        script = ("import sys, numpy as np, npumoe\n"
+        script = ("import json, sys, numpy as np, npumoe\n"
                   "m = npumoe.load()\n"
                   "eng = npumoe.Engine(m, backend=sys.argv[1], artifacts=sys.argv[2])\n"
-                  "np.save(sys.argv[4], eng.forward(np.asarray(eval(sys.argv[3]))))\n")
+                  "np.save(sys.argv[4], eng.forward(np.asarray(json.loads(sys.argv[3]))))\n")
         done = subprocess.run([sys.executable, "-c", script, self.target, str(self.artifacts),
                                json.dumps(self.ids.tolist()), str(out)], capture_output=True, text=True,
                               timeout=600, env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -151,8 +151,10 @@ class Conformance:
         try:
             build(self.model, self.plan, self.target, again, max_context=MAX_CONTEXT, progress=False)
         finally:
-            os.environ.pop("NPUMOE_BUILD_CACHE") if previous is None else os.environ.update(
-                NPUMOE_BUILD_CACHE=previous)
+            if previous is None:
+                os.environ.pop("NPUMOE_BUILD_CACHE", None)
+            else:
+                os.environ["NPUMOE_BUILD_CACHE"] = previous
         first = Engine(self.model, backend=self.target, artifacts=self.artifacts).forward(self.ids)
         second = Engine(self.model, backend=self.target, artifacts=again).forward(self.ids)
         gap = float(np.abs(first - second).max())

@@ -126,3 +126,18 @@ def test_executorch_after_onnxruntime_qnn_in_one_process_is_refused():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120, check=False)
     assert "already loaded onnxruntime-qnn's libQnnHtp.so" in done.stdout, done.stderr[-2000:]
     assert "run --via executorch in its own process" in done.stdout
+
+
+def test_qnn_library_notices_stay_off_stdout(tmp_path):
+    """QNN prints a '# LIBNATIVE' notice to the process's stdout when it loads: it must not reach npumoe's
+    output, where it would corrupt `--json` documents."""
+    script = ("import sys, npumoe\n"
+              "from pathlib import Path\n"
+              "from npumoe.core.graphs import experts_graph\n"
+              "from npumoe.backends.qualcomm_htp import HtpBackend\n"
+              "m = npumoe.load()\n"
+              "HtpBackend().lower(experts_graph(m.spec, 0, (0,), 8, 'g'), m.weights, Path(sys.argv[1]))\n"
+              "print('done')\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "done\n"

@@ -41,7 +41,8 @@ class BackendBase:
 
         description = self.describe()
         return [BuildUnit(unit_key([g], weights, description, self.cache_salt(g)), [g],
-                          lambda unit_dir, g=g: {g.name: self.lower(g, weights, unit_dir)}) for g in graphs]
+                          lambda unit_dir, g=g: {g.name: self.lower(g, weights, unit_dir).to_entry()})
+                for g in graphs]
 
     def cache_salt(self, graph: Graph):
         """What else a lowered graph depends on beyond its IR, weights and :meth:`describe` (JSON-able)."""

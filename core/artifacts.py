@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from npumoe.core.backend import Lowered
 from npumoe.core.identity import check_weights
 from npumoe.core.io import atomic_write_text, read_json_artifact, sha256_file
 from npumoe.core.outputs import OutputKind, claim, json_kind, staged_directory
@@ -182,4 +183,5 @@ def load_executors(backend, out_dir: str | Path, graphs: list[Graph], weights, m
                             f"{missing[0]!r}; build every layer to run the model.")
     if missing:
         raise ArtifactError(f"{out_dir} has no compiled graph {missing[0]!r}; it was built from another plan.")
-    return {g.name: backend.load(manifest["graphs"][g.name], Path(out_dir), g, weights) for g in graphs}
+    return {g.name: backend.load(Lowered.from_entry(manifest["graphs"][g.name]), Path(out_dir), g, weights)
+            for g in graphs}

@@ -76,6 +76,26 @@ class Capabilities:
 
 
 @dataclass(frozen=True)
+class Lowered:
+    """What lowering one graph produced (compare ExecuTorch's PreprocessResult): its artifact format, the
+    files written under the output directory (the manifest hashes them), and the backend's own JSON-able
+    fields that ``load`` reads back. The manifest stores it flat (:meth:`to_entry`); ``load`` gets it back
+    as this record, with the build's own fields (kind, sizes, timings) among ``info``."""
+
+    format: str
+    files: tuple[str, ...] = ()
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_entry(self) -> dict[str, Any]:
+        return {**self.info, "format": self.format, "files": list(self.files)}
+
+    @classmethod
+    def from_entry(cls, entry: Mapping[str, Any]) -> Lowered:
+        info = {k: v for k, v in entry.items() if k not in ("format", "files")}
+        return cls(str(entry.get("format")), tuple(entry.get("files", ())), info)
+
+
+@dataclass(frozen=True)
 class BuildOption:
     """One option a backend's build takes; the CLI offers it as ``--NAME`` (``flag``: an on/off switch)."""
 
@@ -124,9 +144,9 @@ class Backend(Protocol):
     name: str
     caps: Capabilities
 
-    def lower(self, graph: Graph, weights: Mapping[str, torch.Tensor], out_dir: Path) -> dict[str, Any]: ...
+    def lower(self, graph: Graph, weights: Mapping[str, torch.Tensor], out_dir: Path) -> Lowered: ...
 
-    def load(self, artifact: dict[str, Any], out_dir: Path, graph: Graph, weights: Mapping[str, torch.Tensor]) -> Executor: ...
+    def load(self, artifact: Lowered, out_dir: Path, graph: Graph, weights: Mapping[str, torch.Tensor]) -> Executor: ...
 
     def calibrate(self, model, plan, max_context: int, names: list[str]) -> None: ...
 

@@ -22,6 +22,7 @@ from npumoe.backends.apple_ane.mlpackage import SPEC_PATH, Package
 from npumoe.backends.apple_ane.rules import ANE_OPS
 from npumoe.cli import main
 from npumoe.core.artifacts import build
+from npumoe.core.backend import Lowered
 from npumoe.core.calibrate import calibrate
 from npumoe.core.plan import plan
 from npumoe.core.calibrate import default_calibration_texts
@@ -291,4 +292,4 @@ def test_executorch_lowers_to_pte_and_says_where_it_runs(model, ane_plan, tmp_pa
     if sys.platform != "darwin":
         g = graphs[0]
         with pytest.raises(BackendUnavailableError, match="runs only on macOS"):
-            backend.load(entries[g.name], tmp_path, g, model.weights)
+            backend.load(Lowered.from_entry(entries[g.name]), tmp_path, g, model.weights)

@@ -12,6 +12,7 @@ from npumoe.backends.apple_ane import AneBackend, rules
 from npumoe.backends.apple_ane.lint import check, lint_package
 from npumoe.backends.apple_ane.mlpackage import SPEC_PATH, Package
 from npumoe.core.artifacts import build
+from npumoe.core.backend import Lowered
 from npumoe.core.calibrate import calibrate
 from npumoe.core.plan import plan
 from npumoe.core.program import build_program
@@ -71,7 +72,7 @@ def test_function_that_does_not_exist(small, lm_head_package):
     with pytest.raises(ArtifactError, match=r"has no function 'L9_attn_s1'; it has lm_head_s"):
         Package(out / entry["package"]).function("L9_attn_s1")
     with pytest.raises(ArtifactError, match="has no function 'lm_head_s2'"):
-        backend.load({**entry, "function": "lm_head_s2"}, out, graphs[0], model.weights)
+        backend.load(Lowered.from_entry({**entry, "function": "lm_head_s2"}), out, graphs[0], model.weights)
 
 
 # -- the lint ---------------------------------------------------------------------------------------
@@ -217,4 +218,4 @@ def test_artifacts_of_another_target_are_refused(small, lm_head_package):
     model, _, _ = small
     backend, out, graphs, entries = lm_head_package
     with pytest.raises(ArtifactError, match="was not built for the ANE"):
-        backend.load({"format": "onnx", "files": ["x.onnx"]}, out, graphs[0], model.weights)
+        backend.load(Lowered("onnx", ("x.onnx",)), out, graphs[0], model.weights)

@@ -93,9 +93,9 @@ def test_long_chunks_use_sliced_q_attention_and_match_the_reference(small, tmp_p
     graph = attention_graph(small.spec, 0, seq, context)
     backend = AneBackend()
     artifact = backend.lower(graph, small.weights, tmp_path)
-    ops = [op.type for op in Package(tmp_path / artifact["package"]).operations(artifact["function"])]
+    ops = [op.type for op in Package(tmp_path / artifact.info["package"]).operations(artifact.info["function"])]
     assert "scaled_dot_product_attention" not in ops and ops.count("softmax") == seq // SLICED_Q_SLICE
-    assert artifact["states"]["shapes"]["k_cache"] == [1, 1, context, 32]  # head_dim 16 padded to 32
+    assert artifact.info["states"]["shapes"]["k_cache"] == [1, 1, context, 32]  # head_dim 16 padded to 32
 
     # The engine's protocol: a first chunk at position 0 (its first `start` rows valid), then one at `start`.
     torch.manual_seed(0)
@@ -126,7 +126,7 @@ def test_a_wide_lm_head_is_split_into_convs_and_matches_the_reference(small, tmp
     monkeypatch.setattr(layout, "CONV_ROWS", 48)  # the demo vocab in 48-row kernels plus a remainder
     graph = lm_head_graph(small.spec, 8)
     artifact = AneBackend().lower(graph, small.weights, tmp_path)
-    ops = [op.type for op in Package(tmp_path / artifact["package"]).operations(artifact["function"])]
+    ops = [op.type for op in Package(tmp_path / artifact.info["package"]).operations(artifact.info["function"])]
     assert ops.count("conv") == -(-small.spec.vocab_size // 48) and "concat" in ops
     x = {"x": torch.randn(graph.inputs["x"].shape)}
     got = AneBackend().load(artifact, tmp_path, graph, small.weights)(x)["logits"]
@@ -145,9 +145,9 @@ def test_an_lm_head_wider_than_the_channel_axis_leaves_in_parts(small, tmp_path,
     monkeypatch.setattr(layout, "MAX_CHANNELS", 32)
     graph = lm_head_graph(small.spec, 4)  # not the 8-row graph the test above leaves in the build cache
     artifact = AneBackend().lower(graph, small.weights, tmp_path)
-    package = Package(tmp_path / artifact["package"])
-    assert artifact["function_outputs"]["logits"]["parts"] == ["logits_0", "logits_1"]
-    assert [o.name for o in package.description(artifact["function"]).output] == ["logits_0", "logits_1"]
+    package = Package(tmp_path / artifact.info["package"])
+    assert artifact.info["function_outputs"]["logits"]["parts"] == ["logits_0", "logits_1"]
+    assert [o.name for o in package.description(artifact.info["function"]).output] == ["logits_0", "logits_1"]
     x = {"x": torch.randn(graph.inputs["x"].shape)}
     got = AneBackend().load(artifact, tmp_path, graph, small.weights)(x)["logits"]
     want = TorchGraphExecutor(graph, small.weights)(x)["logits"]

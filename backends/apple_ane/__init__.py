@@ -21,6 +21,7 @@ from npumoe.backends.apple_ane.compress import precision_for, scheme
 from npumoe.backends.apple_ane.packaging import PackagePlan, function_name, plan_packages
 from npumoe.backends.apple_ane.rules import DEFAULT_PLATFORM
 from npumoe.backends.base import BackendBase
+from npumoe.core.backend import Lowered
 from npumoe.backends.build_cache import BuildUnit, unit_key
 from npumoe.errors import ArtifactError, BackendUnavailableError, InputError
 
@@ -135,28 +136,28 @@ class AneBackend(BackendBase):
                             "scheme": scheme(precision).description},
         }
 
-    def lower(self, graph, weights, out_dir: Path) -> dict:
+    def lower(self, graph, weights, out_dir: Path) -> Lowered:
         """One graph as its own package (``build`` is the normal path: it shares packages)."""
-        return self.build([graph], weights, out_dir, progress=False)[graph.name]
+        return Lowered.from_entry(self.build([graph], weights, out_dir, progress=False)[graph.name])
 
     # -- run -------------------------------------------------------------------------------------
     def load(self, artifact: dict, out_dir: Path, graph, weights):
         from npumoe.backends.apple_ane.executor import AneExecutor, runtime_for
 
-        if artifact.get("format") not in ("mlprogram", "pte"):
+        if artifact.format not in ("mlprogram", "pte"):
             raise ArtifactError(f"{out_dir} was not built for the ANE; build it with npumoe build --target ane.")
-        path = Path(out_dir) / artifact["package"]
+        path = Path(out_dir) / artifact.info["package"]
         if path not in self._runtimes:
-            if artifact["format"] == "pte":
+            if artifact.format == "pte":
                 from npumoe.backends.apple_ane.pte import PteRuntime
 
                 self._runtimes[path] = PteRuntime(path)
             else:
                 self._runtimes[path] = runtime_for(path)
         runtime = self._runtimes[path]
-        if artifact["format"] == "mlprogram":
-            runtime.package.function(artifact["function"])  # a manifest naming a missing function fails here
-        return AneExecutor(runtime, artifact, graph)
+        if artifact.format == "mlprogram":
+            runtime.package.function(artifact.info["function"])  # a manifest naming a missing function fails here
+        return AneExecutor(runtime, artifact.info, graph)
 
     def describe(self) -> dict:
         return {"name": self.name, "via": self.via, "precision": self.precision,

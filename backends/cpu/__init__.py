@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from npumoe.backends.base import BackendBase
 from npumoe.backends.cpu.caps import CPU_CAPS
+from npumoe.core.backend import Lowered
 from npumoe.core.interpreter import TorchGraphExecutor
 
 
@@ -14,7 +15,7 @@ class CpuBackend(BackendBase):
     caps = CPU_CAPS
 
     def lower(self, graph, weights, out_dir):
-        return {"graph": graph.name, "format": "ir"}
+        return Lowered("ir", info={"graph": graph.name})
 
     def load(self, artifact, out_dir, graph, weights):
         return TorchGraphExecutor(graph, weights)

@@ -17,6 +17,7 @@ import torch
 
 from npumoe.backends.base import BackendBase
 from npumoe.backends.intel_npu.caps import INTEL_NPU_CAPS
+from npumoe.core.backend import Lowered
 from npumoe.core.ir import Role
 from npumoe.errors import ArtifactError, BackendUnavailableError, InputError
 
@@ -70,19 +71,19 @@ class IntelNpuBackend(BackendBase):
         finally:
             onnx_path.unlink()
         ov.save_model(converted, Path(out_dir) / rel, compress_to_fp16=True)
-        return {"format": FORMAT, "xml": str(rel), "files": [str(rel), str(rel.with_suffix(".bin"))],
-                "device": self.device, "inputs": [i.get_any_name() for i in converted.inputs]}
+        return Lowered(FORMAT, (str(rel), str(rel.with_suffix(".bin"))),
+                       {"xml": str(rel), "device": self.device, "inputs": [i.get_any_name() for i in converted.inputs]})
 
     def load(self, artifact: dict, out_dir: Path, graph, weights):
-        if artifact.get("format") != FORMAT:
+        if artifact.format != FORMAT:
             raise ArtifactError(f"{out_dir} was not built for intel_npu; build it with npumoe build --target intel_npu.")
         if self._core is None:
             self._core = openvino().Core()
         # OpenVINO's CPU device would compute in bf16 where the CPU has it; the NPU computes in fp16, so stand-in
         # runs keep f32 and differ from the reference only by the fp16 weights
         config = {"INFERENCE_PRECISION_HINT": "f32"} if self.device == "CPU" else {}
-        compiled = self._core.compile_model(str(Path(out_dir) / artifact["xml"]), self.device, config)
-        return OpenVinoExecutor(compiled, graph, artifact["inputs"], self.device)
+        compiled = self._core.compile_model(str(Path(out_dir) / artifact.info["xml"]), self.device, config)
+        return OpenVinoExecutor(compiled, graph, artifact.info["inputs"], self.device)
 
     def describe(self) -> dict:
         return {"name": self.name, "device": self.device, "openvino": openvino().__version__,

@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from npumoe.backends.base import BackendBase
+from npumoe.core.backend import Lowered
 from npumoe.backends.qualcomm_htp.caps import HTP_CAPS
 from npumoe.backends.qualcomm_htp.qnn import DEFAULT_SOC, soc_info
 from npumoe.backends.qualcomm_htp.quantize import SCHEMES, check_precision
@@ -106,8 +107,8 @@ class HtpBackend(BackendBase):
 
         rel = Path(GRAPH_DIR) / f"{graph.name}.pte"
         save_pte(graph, weights, out_dir / rel, self.precision, chipset(self.soc), self.samples.get(graph.name))
-        return {"format": PTE_FORMAT, "pte": str(rel), "files": [str(rel)], "soc": self.soc,
-                "precision": self.precision, "pte_bytes": (out_dir / rel).stat().st_size}
+        return Lowered(PTE_FORMAT, (str(rel),), {"pte": str(rel), "soc": self.soc, "precision": self.precision,
+                                                 "pte_bytes": (out_dir / rel).stat().st_size})
 
     def _lower_onnx(self, graph, weights, out_dir: Path) -> dict:
         from npumoe.backends.qualcomm_htp.diagnose import rejection_error
@@ -134,34 +135,33 @@ class HtpBackend(BackendBase):
         except Exception as err:  # noqa: BLE001 - onnxruntime raises its own Fail/RuntimeException types
             raise rejection_error(graph, data, self.soc, self.fp16, err) from None
         binaries = sorted(p.name for p in (out_dir / GRAPH_DIR).glob(f"{graph.name}_ctx*") if p.suffix != ".onnx")
-        return {
-            "format": FORMAT,
+        return Lowered(FORMAT, (*([str(rel)] if rel else []), str(ctx), *(str(Path(GRAPH_DIR) / b) for b in binaries)), {
             "onnx": None if rel is None else str(rel),
             "context_model": str(ctx),
-            "files": [*([str(rel)] if rel else []), str(ctx), *(str(Path(GRAPH_DIR) / b) for b in binaries)],
             "context_binary_bytes": sum((out_dir / GRAPH_DIR / b).stat().st_size for b in binaries),
             "soc": self.soc,
             "precision": self.precision,
             "onnx_inputs": [i.name for i in model.graph.input],
-        }
+        })
 
     # -- run -------------------------------------------------------------------------------------
     def load(self, artifact: dict, out_dir: Path, graph, weights):
         from npumoe.backends.qualcomm_htp.executor import HtpExecutor
         from npumoe.backends.qualcomm_htp.qnn import session
 
-        if artifact.get("format") == PTE_FORMAT:
+        if artifact.format == PTE_FORMAT:
             from npumoe.backends.qualcomm_htp.pte import PteExecutor
 
-            return PteExecutor(Path(out_dir) / artifact["pte"], graph)
-        if artifact.get("format") != FORMAT:
+            return PteExecutor(Path(out_dir) / artifact.info["pte"], graph)
+        if artifact.format != FORMAT:
             raise ArtifactError(f"{out_dir} was not built for the HTP; build it with npumoe build --target htp.")
         csv = None
         if self.profile_dir is not None:
             self.profile_dir.mkdir(parents=True, exist_ok=True)
             csv = self.profile_dir / f"{graph.name}.csv"
             csv.unlink(missing_ok=True)
-        sess = session(Path(out_dir) / artifact["context_model"], artifact["soc"], artifact["precision"] == "fp16",
+        sess = session(Path(out_dir) / artifact.info["context_model"], artifact.info["soc"],
+                       artifact.info["precision"] == "fp16",
                        profile_csv=csv)
         executor = HtpExecutor(sess, graph, csv)
         self.executors.append(executor)

@@ -4,7 +4,7 @@ pyproject does not name it). Its device claims every op but ``sdpa``, and its lo
 claim, so attention must reach the CPU through the planner, never through a failed build."""
 
 from npumoe.backends.cpu import CpuBackend
-from npumoe.core.backend import BackendPlugin, Capabilities
+from npumoe.core.backend import BackendPlugin, Capabilities, Lowered
 from npumoe.core.interpreter import TorchGraphExecutor
 from npumoe.core.ir import OPS
 from npumoe.errors import InputError
@@ -21,7 +21,7 @@ class ToyBackend(CpuBackend):
         unclaimed = sorted({op.op for op in graph.ops} - self.caps.ops)
         if unclaimed:
             raise InputError(f"the toy device cannot run {', '.join(unclaimed)} (graph {graph.name})")
-        return {"graph": graph.name, "format": "toy"}
+        return Lowered("toy", info={"graph": graph.name})
 
     def load(self, artifact, out_dir, graph, weights):
         return TorchGraphExecutor(graph, weights)

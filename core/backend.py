@@ -75,6 +75,23 @@ class Capabilities:
         return None
 
 
+def check_feed(graph: Graph, inputs: Mapping[str, torch.Tensor], *, keeps_state: bool, static: bool) -> None:
+    """Refuse a feed missing an input the executor reads, or (``static``: a compiled graph) holding one of
+    another shape, naming it: a device would fail deep in its runtime, or read the wrong bytes."""
+    from npumoe.core.ir import Role
+
+    for name, declared in graph.inputs.items():
+        if declared.role == (Role.KV_CACHE if keeps_state else Role.POSITION):
+            continue  # held as state / read only by stateful executors
+        if name not in inputs:
+            raise InputError(f"graph {graph.name} needs its {declared.role.value} input {name!r} "
+                             f"{list(declared.shape)}, which was not given.")
+        got = tuple(inputs[name].shape)
+        if static and got != declared.shape:
+            raise InputError(f"graph {graph.name}'s input {name!r} has shape {list(got)}, but it was compiled "
+                             f"for {list(declared.shape)}.")
+
+
 @dataclass(frozen=True)
 class Lowered:
     """What lowering one graph produced (compare ExecuTorch's PreprocessResult): its artifact format, the

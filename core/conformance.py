@@ -63,7 +63,8 @@ class Conformance:
     def checks(self) -> dict[str, Callable[[], str]]:
         """Check id → a function returning what it measured (raising AssertionError when it fails)."""
         graph_checks = {f"graph.{kind}": (lambda kind=kind: self.graph_kind(kind)) for kind in KINDS}
-        return {"build": self.build, **graph_checks, "engine.prefill_decode": self.engine,
+        return {"build": self.build, **graph_checks, "input.missing": self.missing_input,
+                "input.wrong_shape": self.wrong_shape, "engine.prefill_decode": self.engine,
                 "artifacts.fresh_process": self.fresh_process, "build.deterministic": self.rebuild}
 
     def run(self, progress: Callable[[str], None] = lambda check: None) -> list[Outcome]:
@@ -109,6 +110,45 @@ class Conformance:
                         if not (executor.keeps_state and graph.inputs[n].role == Role.KV_CACHE)})
         want = TorchGraphExecutor(graph, self.model.weights)(feed)
         return self._within(got, want)
+
+    def missing_input(self) -> str:
+        """A feed without one of the inputs the executor reads: a typed error naming it, not a crash."""
+        graph, executor = self._attention()
+        feed = random_feed(graph)
+        del feed["x"]
+        return self._refused(executor, feed, "'x'")
+
+    def wrong_shape(self) -> str:
+        """A compiled graph fed an input of another shape: a typed error, never a wrong answer."""
+        graph, executor = self._attention()
+        if isinstance(executor, TorchGraphExecutor):
+            raise NotApplicable("the reference interpreter takes any shape")
+        feed = random_feed(graph)
+        feed["x"] = torch.zeros(feed["x"].shape[0] + 1, feed["x"].shape[1])
+        return self._refused(executor, feed, "shape")
+
+    def _attention(self):
+        from npumoe.core.artifacts import load_executors
+        from npumoe.core.program import build_program
+
+        program = build_program(self.model.spec, chunk=self.plan.chunk, max_context=MAX_CONTEXT, plan=self.plan)
+        graph = program.graphs[program.layers[0].attention[self.plan.chunk]]
+        if graph.placement != "npu":
+            return graph, TorchGraphExecutor(graph, self.model.weights)
+        executor = load_executors(get_backend(self.target), self.artifacts, [graph], self.model.weights,
+                                  self.model)[graph.name]
+        return graph, executor
+
+    @staticmethod
+    def _refused(executor, feed, naming: str) -> str:
+        from npumoe.errors import NpumoeError
+
+        try:
+            executor(feed)
+        except NpumoeError as err:
+            assert naming in str(err), f"the error does not name the problem: {err}"
+            return f"{type(err).__name__}: {err}"
+        raise AssertionError("the executor ran on a bad feed without a word")
 
     def engine(self) -> str:
         from npumoe.core.runtime.engine import Engine

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 import torch
 import torch.nn.functional as F
 
+from npumoe.core.backend import check_feed
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op
 from npumoe.luts.torch_op import bf16_linear, bf16_linear_many
 
@@ -194,6 +195,7 @@ class TorchGraphExecutor:
         return OP_IMPLS[kind], args, op.a, op.outputs
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        check_feed(self.graph, inputs, keeps_state=False, static=False)  # any length: only presence checked
         return self.run_many([self], [inputs])[0]
 
     @staticmethod

@@ -20,9 +20,10 @@ def outcomes(conformance_target):
 def test_every_check_passes_or_is_excused_with_a_reason(conformance_target, outcomes):
     failed = {c: o.detail for c, o in outcomes.items() if o.status == "failed"}
     assert not failed, failed
-    required = {"build", "graph.experts", "engine.prefill_decode", "artifacts.fresh_process", "build.deterministic"}
+    required = {"build", "graph.experts", "input.missing", "engine.prefill_decode", "artifacts.fresh_process",
+                "build.deterministic"}
     if conformance_target != "cpu":  # the CPU target keeps dense graphs as they are: its own reference
-        required.add("graph.attention")
+        required |= {"graph.attention", "input.wrong_shape"}
     assert required <= {c for c, o in outcomes.items() if o.status == "passed"}
     assert all(o.detail for o in outcomes.values() if o.status == "skipped")
 

@@ -20,6 +20,7 @@ import torch
 from npumoe.backends.apple_ane.layout import from_ane, to_ane
 from npumoe.backends.apple_ane.mil_exec import MilFunction
 from npumoe.backends.apple_ane.mlpackage import NUMPY, Package
+from npumoe.core.backend import check_feed
 from npumoe.core.ir import Graph, Role
 from npumoe.errors import BackendUnavailableError
 
@@ -107,12 +108,13 @@ class AneExecutor:
     """One graph's function in a package: IR tensors in, IR tensors out."""
 
     def __init__(self, runtime, artifact: dict, graph: Graph):
-        self.runtime, self.artifact = runtime, artifact
+        self.runtime, self.artifact, self.graph = runtime, artifact, graph
         self.function = artifact["function"]
         caches = graph.inputs_with(Role.KV_CACHE)  # a function that takes none of them holds them as states
         self.keeps_state = bool(caches) and not set(caches) & set(artifact["function_inputs"])
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        check_feed(self.graph, inputs, keeps_state=self.keeps_state, static=True)
         raw = self.runtime.run(self.function, encode_inputs(self.artifact, inputs))
         if isinstance(raw, tuple):  # a .pte method: outputs by position
             raw = dict(zip([p for n, spec in self.artifact["function_outputs"].items()

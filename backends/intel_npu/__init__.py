@@ -17,7 +17,7 @@ import torch
 
 from npumoe.backends.base import BackendBase
 from npumoe.backends.intel_npu.caps import INTEL_NPU_CAPS
-from npumoe.core.backend import Lowered
+from npumoe.core.backend import Lowered, check_feed
 from npumoe.core.ir import Role
 from npumoe.errors import ArtifactError, BackendUnavailableError, InputError
 
@@ -101,6 +101,7 @@ class OpenVinoExecutor:
         self.outputs = [o.get_any_name() for o in compiled.outputs]
 
     def __call__(self, inputs):
+        check_feed(self.graph, inputs, keeps_state=False, static=True)
         feed = {}
         for name in self.inputs:
             arr = inputs[name].detach().float().numpy()

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
+from npumoe.core.backend import check_feed
 from npumoe.core.ir import Graph, Role
 
 MASK_FLOOR = -1e4
@@ -42,6 +43,7 @@ class HtpExecutor:
         self.launches: list[tuple[float, float]] = []
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        check_feed(self.graph, inputs, keeps_state=False, static=True)
         feed = encode(self.graph, inputs, self.inputs)
         start = time.perf_counter()
         raw = self.session.run(self.outputs, feed)

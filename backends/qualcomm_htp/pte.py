@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from npumoe.core.backend import check_feed
 from npumoe.core.interpreter import OP_IMPLS
 from npumoe.core.ir import WEIGHT_PREFIX, Graph
 from npumoe.errors import BackendUnavailableError, InputError
@@ -111,6 +112,7 @@ class PteExecutor:
         self.method = Runtime.get().load_program(str(path)).load_method("forward")
 
     def __call__(self, inputs):
+        check_feed(self.graph, inputs, keeps_state=False, static=True)
         feed = self._encode(self.graph, inputs)
         outs = self.method.execute([torch.from_numpy(np.ascontiguousarray(feed[n])) for n in feed])
         return {name: out.detach().float() for name, out in zip(self.graph.outputs, outs)}

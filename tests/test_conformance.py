@@ -24,6 +24,8 @@ def test_every_check_passes_or_is_excused_with_a_reason(conformance_target, outc
                 "build.deterministic"}
     if conformance_target != "cpu":  # the CPU target keeps dense graphs as they are: its own reference
         required |= {"graph.attention", "input.wrong_shape"}
+    claimed = registry.plugin(conformance_target).caps.ops - {"lut_linear"}  # lut_linear needs a packed checkpoint
+    required |= {f"op.{op}" for op in claimed}
     assert required <= {c for c, o in outcomes.items() if o.status == "passed"}
     assert all(o.detail for o in outcomes.values() if o.status == "skipped")
 
@@ -50,6 +52,7 @@ def test_a_backend_that_computes_something_else_fails(monkeypatch):
     outcomes = {o.check: o for o in run_conformance("perturbing")}
     assert outcomes["graph.experts"].status == "failed" and "relative error 1.00e-02" in outcomes["graph.experts"].detail
     assert outcomes["engine.prefill_decode"].status == "failed"
+    assert outcomes["op.linear"].status == "failed" and outcomes["op.rmsnorm"].status == "failed"
 
 
 def test_conformance_cli_prints_json_and_exits_by_result(capsys):

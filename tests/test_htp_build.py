@@ -1,5 +1,7 @@
 """The HTP backend end to end on QNN's x86_64 HTP: calibrate → plan (residency npu) → build (EPContext)
-→ npumoe.Engine(backend="htp"), against the reference engine (fp32 CPU, no plan).
+→ npumoe.Engine(backend="htp"), against the reference engine (fp32 CPU, no plan). What every backend must
+do (fp16 engine vs reference, fresh-process reload, rebuilds, bad feeds) is tests/test_conformance.py's;
+this file holds what is the HTP's own: manifests, context binaries, w8a16, ExecuTorch and AI Hub.
 
 The model is the shipped demo. Graphs are small (chunk 16, KV length 64) so that building and
 running every graph on the emulated HTP stays within a couple of minutes.
@@ -81,11 +83,6 @@ def assert_fp16_bounds(eng, reference):
     prompt = PROMPTS[0]
     np.testing.assert_array_equal(eng.generate(ids(prompt)[:24], 16), reference[prompt][1])
     assert eng.metrics["npu_launches"] > 0
-
-
-def test_fp16_matches_the_reference_engine(model, htp_plan, fp16, reference):
-    out, _ = fp16
-    assert_fp16_bounds(npumoe.Engine(model, htp_plan, backend="htp", artifacts=out), reference)
 
 
 def test_manifest_describes_every_graph_and_file(model, htp_plan, fp16):

@@ -27,6 +27,7 @@ from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op
 
 OPSET = 21  # blocked DequantizeLinear (int4 QDQ) needs 21; QNN 2.51 accepts 13-28
 DTYPE = np.float32
+TRANSPOSED = ".T"  # suffix of a weight initializer stored transposed: a linear's [in, out]
 
 
 class _Builder:
@@ -51,7 +52,7 @@ class _Builder:
 
     def weight(self, ref: str, transpose: bool = False) -> str:
         name = ref[len(WEIGHT_PREFIX):]
-        key = f"{name}.T" if transpose else name
+        key = f"{name}{TRANSPOSED}" if transpose else name
         if key not in self.inits:
             arr = self.weights[name].detach().float().numpy()
             self.inits[key] = np.ascontiguousarray(arr.T if transpose else arr)

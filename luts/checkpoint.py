@@ -35,7 +35,7 @@ from npumoe.core.spec import ModelSpec, MoESpec
 from npumoe.core.tensorfile import SafetensorsFile
 from npumoe.core.weights import TensorSource, Weights, expert, tensor_digest
 from npumoe.errors import WeightError
-from npumoe.luts import spec
+from npumoe.luts import layout, mappings, spec
 from npumoe.luts.torch_op import LutLinear
 from npumoe.models.loader import QUANTIZED as SECTION
 
@@ -188,3 +188,18 @@ class QuantizedWeights(Weights):
     def __getitem__(self, name: str) -> torch.Tensor:
         linear = self.packed.get(name)
         return super().__getitem__(name) if linear is None else linear.dequantized()
+
+
+def npu_int4_codes(weights: Mapping[str, torch.Tensor], name: str) -> spec.Packed:
+    """The int4 codes a target holds for matrix ``name``: the checkpoint's own when it stores them in the
+    NPU int4 format (``npumoe quantize --bits 4 --group 32 --symmetric``: what the CPU LUT kernels run),
+    else :func:`npumoe.luts.mappings.npu_int4` of the weight. ANE and HTP builds both ask here, so every
+    target holds the same codes and scales."""
+    packed = getattr(weights, "packed", {})
+    if name in packed:
+        linear = packed[name]
+        tiled = linear.tiled()
+        if (tiled.bits, tiled.group, tiled.zeros is None) == (4, mappings.NPU_INT4_GROUP, True):
+            return layout.from_tiles(tiled)
+    return mappings.npu_int4(weights[name].detach().float().numpy())
+

@@ -29,6 +29,10 @@ scale along ``axis`` = 1 in blocks of ``block_size`` = group.
   Per-channel (``axis`` = 0, scale and zero point [N]) exists when every group of a row
   shares one scale and zero point; QNN's HTP takes int4 weights with zero point 0 only,
   i.e. symmetric 4-bit tensors (:func:`qdq_symmetric_int4` says which ones qualify).
+
+Which codes: :func:`npu_int4` is the one int4 rule every target follows (the ANE's int4 packages,
+the HTP's w4a16 QDQ weights, and ``npumoe quantize --bits 4 --group 32 --symmetric`` for the CPU),
+so a cross-vendor comparison at int4 compares devices, not quantisers.
 """
 
 from __future__ import annotations
@@ -136,6 +140,17 @@ def qdq_per_channel(packed: spec.Packed, scale_dtype=np.float32) -> QDQ:
         raise InputError("the groups of a row have different scales or zero points, so the weight has no "
                          "per-channel form; use qdq_blocked (block_size = group) instead.")
     return QDQ(blocked.data, scale[:, 0].copy(), zero[:, 0].copy(), axis=0, block_size=None, dtype=blocked.dtype)
+
+
+NPU_INT4_GROUP = 32  # input channels per scale: the finest group luts, Core ML and QNN's blocked QDQ all take
+
+
+def npu_int4(weight: np.ndarray) -> spec.Packed:
+    """The int4 codes every target holds for ``weight`` [N, K] (fp32): luts' symmetric round-to-nearest,
+    one fp16 scale per 32 inputs, zero point 0 (QNN's int4 needs it). Applied to weights that are already
+    the dequantised codes of this format (a quantised checkpoint), it gives those codes back exactly: the
+    group maximum is 7·s in fp32, so the scale and every code recur."""
+    return spec.quantize_pack(np.asarray(weight, np.float32), 4, NPU_INT4_GROUP, symmetric=True)
 
 
 def qdq_symmetric_int4(packed: spec.Packed) -> bool:

@@ -29,6 +29,7 @@ PLUGIN = BackendPlugin(
     conformance=Conformance(min_cosine=0.9999, max_relative_error=5e-3),
     options=(
         BuildOption("via", "toolchain: coreml (default; .mlpackage) | executorch (.pte)"),
-        BuildOption("precision", "fp16 (default) | int4 (blockwise) | palettize4 | palettize2"),
+        BuildOption("precision", "fp16 (default) | int4 (blockwise; the HTP's and CPU's luts codes) | palettize4 | "
+                                 "palettize2"),
     ),
 )

@@ -24,7 +24,8 @@ from npumoe.backends.apple_ane.layout import AneGraphModule
 DEPLOYMENT_TARGET = ct.target.iOS18  # the same opset as macOS15: states and multifunction need it
 
 
-def convert_graph(module: AneGraphModule, precision: str) -> ct.models.MLModel:
+def convert_graph(module: AneGraphModule, precision: str, int4=None) -> ct.models.MLModel:
+    """``int4``: the conv weights' luts codes when ``precision`` is int4 (:func:`.compress.int4_blocks`)."""
     module = module.half().eval()
     shapes = module.input_shapes()
     example = tuple(torch.zeros(s, dtype=torch.int32 if module.input_is_int(n) else torch.float16)
@@ -37,7 +38,7 @@ def convert_graph(module: AneGraphModule, precision: str) -> ct.models.MLModel:
                   for n, s in module.kv.shapes.items()]
     with contextlib.redirect_stderr(io.StringIO()):  # its per-pipeline progress bars: noise in npumoe's output
         mlmodel = _convert(traced, module, shapes, states)
-        return compress(mlmodel, precision)
+        return compress(mlmodel, precision, int4)
 
 
 def _convert(traced, module: AneGraphModule, shapes: dict, states) -> ct.models.MLModel:

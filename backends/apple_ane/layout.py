@@ -73,6 +73,10 @@ class AneGraphModule(torch.nn.Module):
             for name, shape in kv.shapes.items():
                 self.register_buffer(name, torch.zeros(shape, dtype=dtype))
 
+    def conv_kernels(self) -> dict[str, list[torch.Tensor]]:
+        """Linear weight name → its 1×1-conv kernels ([rows, in, 1, 1], row chunks in order)."""
+        return {name: [getattr(self, attr) for attr in attrs] for name, attrs in self._conv_attrs.items()}
+
     def _register(self, name: str, weights, as_conv: bool) -> None:
         w = weights[name].detach().to(self.dtype, copy=True)  # a copy: never a view of the mapped checkpoint
         attr = name.replace(".", "_")

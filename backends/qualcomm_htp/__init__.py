@@ -24,7 +24,7 @@ from npumoe.backends.base import BackendBase
 from npumoe.core.backend import Lowered
 from npumoe.backends.qualcomm_htp.caps import HTP_CAPS
 from npumoe.backends.qualcomm_htp.qnn import DEFAULT_SOC, soc_info
-from npumoe.backends.qualcomm_htp.quantize import SCHEMES, check_precision
+from npumoe.backends.qualcomm_htp.quantize import SCHEMES, checked_precision, precision_for
 from npumoe.core.io import atomic_write_bytes
 from npumoe.errors import ArtifactError, InputError
 
@@ -49,7 +49,7 @@ class HtpBackend(BackendBase):
         self.keep_onnx = bool(keep_onnx)
         if via not in VIAS:
             raise InputError(f"--via {via!r} is not one of {', '.join(VIAS)} for the HTP.")
-        check_precision(precision)
+        precision = checked_precision(precision)
         if via == "executorch":
             from npumoe.backends.qualcomm_htp.pte import PRECISIONS
 
@@ -120,10 +120,11 @@ class HtpBackend(BackendBase):
         except UnsupportedOp as err:
             raise InputError(f"graph {graph.name} has IR op {err.op.op!r} ({err.op.outputs[0]}), which the HTP backend "
                              "cannot lower; place this graph on the CPU in the plan.") from None
+        precision = precision_for(graph.kind, self.precision)
         if not self.fp16:
             from npumoe.backends.qualcomm_htp.quantize import quantize
 
-            model = quantize(model, self.samples[graph.name], self.precision)
+            model = quantize(model, self.samples[graph.name], precision, weights)
         data = model.SerializeToString()
         rel = Path(GRAPH_DIR) / f"{graph.name}.onnx" if self.keep_onnx else None
         ctx = Path(GRAPH_DIR) / f"{graph.name}_ctx.onnx"
@@ -140,7 +141,7 @@ class HtpBackend(BackendBase):
             "context_model": str(ctx),
             "context_binary_bytes": sum((out_dir / GRAPH_DIR / b).stat().st_size for b in binaries),
             "soc": self.soc,
-            "precision": self.precision,
+            "precision": precision,
             "onnx_inputs": [i.name for i in model.graph.input],
         })
 

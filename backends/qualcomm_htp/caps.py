@@ -23,7 +23,8 @@ PLUGIN = BackendPlugin(
     conformance=Conformance(min_cosine=0.9999, max_relative_error=5e-3),
     options=(
         BuildOption("via", "toolchain: onnx (default; QNN context binaries) | executorch (.pte)"),
-        BuildOption("precision", "fp16 (default) | w8a16 | w4a16 (QDQ weights, 16-bit activations)"),
+        BuildOption("precision", "fp16 (default) | w8a16 | w4a16 = int4 (QDQ weights, 16-bit activations; "
+                                 "int4 experts hold the ANE's and CPU's luts codes)"),
         BuildOption("soc", "Snapdragon SoC model number: 69 = 8 Elite (default), 57 = 8 Gen 3, 43 = 8 Gen 2, "
                            "60 = X Elite"),
         BuildOption("keep_onnx", "also keep each graph's ONNX model (fp32 weights), which npumoe hub compile "

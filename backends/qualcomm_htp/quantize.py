@@ -2,18 +2,22 @@
 
 onnxruntime's QNN quantisation config inserts QuantizeLinear/DequantizeLinear pairs that
 QNN folds into fixed-point HTP ops. Activation ranges come from calibration feeds (MinMax).
-Linear weights ([in, out] MatMul initializers) are quantised per output channel (axis 1),
-symmetrically: QNN's int4 is wrong with non-zero zero points and rejects unsigned int4 per
-channel, so w4a16 uses signed int4; other initializers (norm weights, constants) get 8 bits
-per tensor. :data:`SCHEMES` is also what the manifest records.
+Linear weights ([in, out] MatMul initializers) are symmetric (QNN's int4 is wrong with non-zero
+zero points): w8a16 per output channel from onnxruntime's quantiser; w4a16 in blocks of 32 inputs
+with the codes and scales of :func:`npumoe.luts.checkpoint.npu_int4_codes` (onnxruntime places the
+QDQ nodes, luts fills them), the values the ANE's int4 packages and the CPU LUT kernels hold. Other
+initializers (norm weights, constants) get 8 bits per tensor. :data:`SCHEMES` is also what the
+manifest records.
 """
 
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from npumoe.errors import InputError
 
@@ -22,15 +26,31 @@ SCHEMES = {
               "linear_weights": "uint8 per output channel, symmetric", "other_weights": "uint8 per tensor",
               "weight_type": "QUInt8"},
     "w4a16": {"activations": "uint16 per tensor (MinMax calibration)",
-              "linear_weights": "int4 per output channel, symmetric (zero point 0)",
+              "linear_weights": "routed experts int4 symmetric, one scale per 32 inputs (npumoe.luts codes: the "
+                                "ANE's and CPU's); other linears as w8a16",
               "other_weights": "uint8 per tensor", "weight_type": "QInt4"},
 }
 PRECISIONS = ("fp16", *SCHEMES)
+INT4_KINDS = frozenset({"experts"})  # graph kinds w4a16 holds in int4; the others get w8a16's weights
 
 
-def check_precision(precision: str) -> None:
+def precision_for(kind: str, precision: str) -> str:
+    """The precision a graph of ``kind`` is built at: w4a16 is int4 routed experts (nearly all of an MoE's
+    bytes, as on the ANE), with attention, dense FFNs and the LM head at 8 bits, the most sensitive to
+    4-bit error (demo, held-out text: all-int4 92.7 % top-1 agreement with fp32)."""
+    return "w8a16" if precision == "w4a16" and kind not in INT4_KINDS else precision
+
+
+SHARED_NAMES = {"int4": "w4a16"}  # the name every target gives its luts int4 experts (ANE: int4)
+
+
+def checked_precision(precision: str) -> str:
+    """``precision`` as the HTP names it (``int4`` is w4a16), or an InputError listing the choices."""
+    precision = SHARED_NAMES.get(precision, precision)
     if precision not in PRECISIONS:
-        raise InputError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)} for the HTP.")
+        raise InputError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)} (or int4 = w4a16) "
+                         "for the HTP.")
+    return precision
 
 
 class _Feeds:
@@ -43,21 +63,54 @@ class _Feeds:
         return next(self._it, None)
 
 
-def quantize(model, feeds: list[dict[str, np.ndarray]], precision: str):
-    """The fp32 ``onnx.ModelProto`` with QDQ nodes for ``precision`` (w8a16 or w4a16)."""
+def quantize(model, feeds: list[dict[str, np.ndarray]], precision: str, weights: Mapping[str, torch.Tensor]):
+    """The fp32 ``onnx.ModelProto`` with QDQ nodes for ``precision`` (w8a16 or w4a16); ``weights`` are the
+    graph's, whose int4 codes w4a16 takes."""
     import onnx
     from onnxruntime.quantization import QuantType
     from onnxruntime.quantization import quantize as ort_quantize
     from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
     weight_type = getattr(QuantType, SCHEMES[precision]["weight_type"])
-    linear = {n.input[1] for n in model.graph.node
-              if n.op_type == "MatMul" and n.input[1] in {i.name for i in model.graph.initializer}}
-    overrides = {name: [{"quant_type": weight_type, "axis": 1, "symmetric": True}] for name in sorted(linear)}
+    initializers = {i.name for i in model.graph.initializer}
+    linear = {n.name: n.input[1] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers}
+    overrides = {name: [{"quant_type": weight_type, "axis": 1, "symmetric": True}] for name in sorted(set(linear.values()))}
     reader = _Feeds(feeds, {i.name for i in model.graph.input})
     config = get_qnn_qdq_config(model, reader, activation_type=QuantType.QUInt16, weight_type=QuantType.QUInt8,
                                 init_overrides=overrides, calibration_providers=["CPUExecutionProvider"])
     with tempfile.TemporaryDirectory(prefix="npumoe-qdq-") as tmp:
         out = Path(tmp) / "qdq.onnx"
         ort_quantize(model, out, config)
-        return onnx.load(out)
+        quantized = onnx.load(out)
+    if precision == "w4a16":
+        _put_luts_codes(quantized, linear, weights)
+    return quantized
+
+
+def _put_luts_codes(model, linear: dict[str, str], weights: Mapping[str, torch.Tensor]) -> None:
+    """Replace the per-channel int4 of each linear weight's DequantizeLinear with luts' blocked codes.
+
+    ``linear`` maps MatMul node names (kept by the quantiser) to their weight initializers, which the
+    ONNX export names ``<canonical name>.T`` ([in, out]); the DequantizeLinear is made blocked along
+    the inputs (axis 0), its data the codes' transpose and its scales [in / 32, out].
+    """
+    import ml_dtypes
+    from onnx import helper, numpy_helper
+
+    from npumoe.backends.onnx_export import TRANSPOSED
+    from npumoe.luts import mappings
+    from npumoe.luts.checkpoint import npu_int4_codes
+
+    producer = {out: node for node in model.graph.node for out in node.output}
+    initializers = {i.name: i for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.name not in linear:
+            continue
+        dq = producer[node.input[1]]
+        qdq = mappings.qdq_blocked(npu_int4_codes(weights, linear[node.name].removesuffix(TRANSPOSED)))
+        arrays = {dq.input[0]: qdq.data.T, dq.input[1]: qdq.scale.T, dq.input[2]: qdq.zero_point.T}
+        for name, array in arrays.items():
+            dtype = ml_dtypes.int4 if array.dtype == np.int8 else np.float32
+            initializers[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(array).astype(dtype), name))
+        del dq.attribute[:]
+        dq.attribute.extend([helper.make_attribute("axis", 0), helper.make_attribute("block_size", qdq.block_size)])

@@ -190,16 +190,13 @@ class QuantizedWeights(Weights):
         return super().__getitem__(name) if linear is None else linear.dequantized()
 
 
-def npu_int4_codes(weights: Mapping[str, torch.Tensor], name: str) -> spec.Packed:
-    """The int4 codes a target holds for matrix ``name``: the checkpoint's own when it stores them in the
-    NPU int4 format (``npumoe quantize --bits 4 --group 32 --symmetric``: what the CPU LUT kernels run),
-    else :func:`npumoe.luts.mappings.npu_int4` of the weight. ANE and HTP builds both ask here, so every
-    target holds the same codes and scales."""
+def npu_codes(weights: Mapping[str, torch.Tensor], name: str, fmt: mappings.NpuFormat) -> spec.Packed:
+    """The codes an NPU build holds for matrix ``name`` in ``fmt``: the checkpoint's own when it stores them
+    in that format (what the CPU LUT kernels run), else ``fmt.quantize`` of the weight. ANE and HTP builds
+    both ask here, so every target holds the same codes and scales."""
     packed = getattr(weights, "packed", {})
     if name in packed:
-        linear = packed[name]
-        tiled = linear.tiled()
-        if (tiled.bits, tiled.group, tiled.zeros is None) == (4, mappings.NPU_INT4_GROUP, True):
+        tiled = packed[name].tiled()
+        if (tiled.bits, tiled.group, tiled.zeros is None) == (fmt.bits, fmt.group, fmt.symmetric):
             return layout.from_tiles(tiled)
-    return mappings.npu_int4(weights[name].detach().float().numpy())
-
+    return fmt.quantize(weights[name].detach().float().numpy())

@@ -30,9 +30,10 @@ scale along ``axis`` = 1 in blocks of ``block_size`` = group.
   shares one scale and zero point; QNN's HTP takes int4 weights with zero point 0 only,
   i.e. symmetric 4-bit tensors (:func:`qdq_symmetric_int4` says which ones qualify).
 
-Which codes: :func:`npu_int4` is the one int4 rule every target follows (the ANE's int4 packages,
+Which codes: :data:`NPU_INT4` is the one int4 format every target holds (the ANE's int4 packages,
 the HTP's w4a16 QDQ weights, and ``npumoe quantize --bits 4 --group 32 --symmetric`` for the CPU),
-so a cross-vendor comparison at int4 compares devices, not quantisers.
+:data:`NPU_PALETTES` the ANE's palettes (``npumoe quantize --bits 4|2``), so a cross-vendor
+comparison at a given precision compares devices, not quantisers.
 """
 
 from __future__ import annotations
@@ -142,15 +143,22 @@ def qdq_per_channel(packed: spec.Packed, scale_dtype=np.float32) -> QDQ:
     return QDQ(blocked.data, scale[:, 0].copy(), zero[:, 0].copy(), axis=0, block_size=None, dtype=blocked.dtype)
 
 
-NPU_INT4_GROUP = 32  # input channels per scale: the finest group luts, Core ML and QNN's blocked QDQ all take
+@dataclass(frozen=True)
+class NpuFormat:
+    """A luts format NPU builds hold weights in; every target quantises to it with :meth:`quantize`."""
+
+    bits: int
+    group: int
+    symmetric: bool
+
+    def quantize(self, weight: np.ndarray) -> spec.Packed:
+        """Round-to-nearest codes of ``weight`` [N, K] (fp32). Applied to weights that are already this format's
+        dequantised codes, it gives those codes back, except in a group whose fp16 scale is subnormal."""
+        return spec.quantize_pack(np.asarray(weight, np.float32), self.bits, self.group, self.symmetric)
 
 
-def npu_int4(weight: np.ndarray) -> spec.Packed:
-    """The int4 codes every target holds for ``weight`` [N, K] (fp32): luts' symmetric round-to-nearest,
-    one fp16 scale per 32 inputs, zero point 0 (QNN's int4 needs it). Applied to weights that are already
-    the dequantised codes of this format (a quantised checkpoint), it gives those codes back exactly: the
-    group maximum is 7·s in fp32, so the scale and every code recur."""
-    return spec.quantize_pack(np.asarray(weight, np.float32), 4, NPU_INT4_GROUP, symmetric=True)
+NPU_INT4 = NpuFormat(4, 32, symmetric=True)  # ANE int4, HTP w4a16: QNN's int4 needs zero point 0
+NPU_PALETTES = {b: NpuFormat(b, 64, symmetric=False) for b in (4, 2)}  # ANE palettize4/2: quantize's default
 
 
 def qdq_symmetric_int4(packed: spec.Packed) -> bool:

@@ -7,8 +7,8 @@ import pytest
 
 import npumoe
 from cli_check import cli_error
+from npu_check import write_texts
 from npumoe.cli import main
-from npumoe.models.demo import corpus
 
 pytest.importorskip("onnxruntime_qnn", reason="the htp target needs onnxruntime-qnn (pip install 'npumoe[htp]')")
 pytest.importorskip("coremltools", reason="the ane target needs coremltools (pip install 'npumoe[ane]')")
@@ -16,11 +16,7 @@ pytest.importorskip("coremltools", reason="the ane target needs coremltools (pip
 
 @pytest.fixture(scope="module")
 def texts(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("texts")
-    calibration, heldout = folder / "calibration.txt", folder / "heldout.txt"
-    calibration.write_text("\n".join(t[:1500] for t in corpus.calibration_texts(4)))
-    heldout.write_text(corpus.heldout_texts(1)[0][:600])
-    return calibration, heldout
+    return write_texts(tmp_path_factory.mktemp("texts"), heldout_chars=600)
 
 
 @pytest.fixture(scope="module")

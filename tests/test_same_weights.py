@@ -1,8 +1,9 @@
-"""At int4 every target holds the same routed-expert weights: one luts quantisation
-(``npumoe.luts.mappings.npu_int4``) in the ANE's int4 packages, in the HTP's w4a16 QDQ weights and in
-the checkpoint ``npumoe quantize --bits 4 --group 32 --symmetric`` writes for the CPU LUT kernels; and
-built from that checkpoint, the NPUs take its stored codes. A cross-vendor table at int4 then compares
-devices, not quantisers."""
+"""At a given precision every target holds the same routed-expert weights: one luts quantisation
+(``npumoe.luts.mappings.NPU_INT4``) in the ANE's int4 packages, in the HTP's w4a16 QDQ weights and in
+the checkpoint ``npumoe quantize --bits 4 --group 32 --symmetric`` writes for the CPU LUT kernels; the
+ANE's palettes are the value tables of ``npumoe quantize --bits 4|2`` (``NPU_PALETTES``); and built
+from such a checkpoint, the NPUs take its stored codes. A cross-vendor table then compares devices,
+not quantisers."""
 
 import json
 
@@ -10,10 +11,12 @@ import numpy as np
 import pytest
 import torch
 
+from npu_check import write_texts
+
 import npumoe
 from npumoe.cli import main
 from npumoe.luts import layout, mappings, spec
-from npumoe.luts.checkpoint import npu_int4_codes
+from npumoe.luts.checkpoint import npu_codes
 from npumoe.luts.quantize import quantize_checkpoint
 from npumoe.luts.torch_op import LutLinear
 from npumoe.models.demo import corpus
@@ -27,20 +30,25 @@ pytest.importorskip("coremltools", reason="the ane target needs coremltools (pip
 def built(tmp_path_factory):
     """Both vendors at int4, every expert group on the NPU, validated on held-out text."""
     folder = tmp_path_factory.mktemp("int4")
-    calibration, heldout = folder / "calibration.txt", folder / "heldout.txt"
-    calibration.write_text("\n".join(t[:1500] for t in corpus.calibration_texts(4)))
-    heldout.write_text(corpus.heldout_texts(1)[0][:1800])
+    calibration, heldout = write_texts(folder, heldout_chars=1800)
     main(["build", "--targets", "htp,ane", "--precision", "int4", "--keep-onnx", "--text", str(calibration),
           "--heldout", str(heldout), "--chunk", "32", "--max-context", "512", "--residency", "npu",
           "--out", str(folder / "build")])
     return folder / "build"
 
 
+def quantized_demo(folder, fmt: mappings.NpuFormat):
+    quantize_checkpoint(DEMO_DIR, folder, bits=fmt.bits, group=fmt.group, symmetric=fmt.symmetric)
+    return npumoe.load(folder)
+
+
 @pytest.fixture(scope="module")
 def cpu_checkpoint(tmp_path_factory):
-    out = tmp_path_factory.mktemp("int4") / "demo-int4"
-    quantize_checkpoint(DEMO_DIR, out, bits=4, group=mappings.NPU_INT4_GROUP, symmetric=True)
-    return npumoe.load(out)
+    return quantized_demo(tmp_path_factory.mktemp("int4") / "demo-int4", mappings.NPU_INT4)
+
+
+def stored_codes(model, name: str) -> spec.Packed:
+    return layout.from_tiles(model.weights.packed[name].tiled())
 
 
 def signed_codes(packed: spec.Packed) -> tuple[np.ndarray, np.ndarray]:
@@ -63,15 +71,16 @@ def htp_codes(out) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         for node in model.graph.node:
             if node.op_type == "DequantizeLinear" and node.input[0].endswith(".T_quantized"):
                 attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-                assert attrs == {"axis": 0, "block_size": mappings.NPU_INT4_GROUP}, node.name
+                assert attrs == {"axis": 0, "block_size": mappings.NPU_INT4.group}, node.name
                 assert not np.any(arrays[node.input[2]].astype(np.int8)), "int4 zero points must be 0 on the HTP"
                 name = node.input[0].removesuffix(".T_quantized")
                 found[name] = (arrays[node.input[0]].astype(np.int8).T, arrays[node.input[1]].T.astype(np.float16))
     return found
 
 
-def ane_codes(out) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Expert weight → (signed codes, fp16 scales) from the int4 packages' constexpr_blockwise_shift_scale."""
+def ane_arrays(out, op_type: str) -> dict[str, dict[str, np.ndarray]]:
+    """Expert weight (as a MIL name) → the arrays of its ``op_type`` constexpr in the experts packages, the
+    1×1-conv kernels' trailing dims dropped and a split weight's parts joined."""
     from npumoe.backends.apple_ane.mil_exec import Package
 
     found = {}
@@ -80,27 +89,50 @@ def ane_codes(out) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         package = Package(out / rel)
         for function in package.functions:
             for op in package.operations(function):
-                if op.type == "constexpr_blockwise_shift_scale":
-                    args = {k: package.value(a.arguments[0].value) for k, a in op.inputs.items()}
-                    assert args.get("offset") is None  # symmetric: zero point 0
+                if op.type == op_type:
+                    args = {k: np.asarray(package.value(a.arguments[0].value)) for k, a in op.inputs.items()}
                     kernel = op.outputs[0].name.split("_weight_conv")[0] + "_weight"
-                    found.setdefault(kernel, []).append((np.asarray(args["data"])[:, :, 0, 0].astype(np.int8),
-                                                         np.asarray(args["scale"])[:, :, 0, 0]))
-    return {k: tuple(np.concatenate(parts) for parts in zip(*v)) for k, v in found.items()}
+                    found.setdefault(kernel, []).append({k: a.reshape(a.shape[:2] + a.shape[4:]) for k, a in args.items()})
+    return {k: {a: np.concatenate([p[a] for p in parts]) for a in parts[0]} for k, parts in found.items()}
 
 
 def test_every_target_holds_the_same_int4_experts(built, cpu_checkpoint):
     model = npumoe.load()
     experts = sorted(n for n in model.weights if ".experts." in n)
-    htp, ane = htp_codes(built / "htp"), ane_codes(built / "ane")
+    htp, ane = htp_codes(built / "htp"), ane_arrays(built / "ane", "constexpr_blockwise_shift_scale")
     assert set(htp) == set(experts)
     assert {n.replace(".", "_") for n in experts} == set(ane)
     for name in experts:
-        want = signed_codes(mappings.npu_int4(model.weights[name].numpy()))
-        cpu = signed_codes(layout.from_tiles(cpu_checkpoint.weights.packed[name].tiled()))
-        for target, (codes, scales) in {"htp": htp[name], "ane": ane[name.replace(".", "_")], "cpu": cpu}.items():
+        want = signed_codes(mappings.NPU_INT4.quantize(model.weights[name].numpy()))
+        arrays = ane[name.replace(".", "_")]
+        assert "offset" not in arrays  # symmetric: zero point 0
+        ane_codes = (arrays["data"].astype(np.int8), arrays["scale"])
+        for target, (codes, scales) in {"htp": htp[name], "ane": ane_codes,
+                                        "cpu": signed_codes(stored_codes(cpu_checkpoint, name))}.items():
             np.testing.assert_array_equal(codes, want[0], err_msg=f"{target} {name} codes")
             np.testing.assert_array_equal(scales, want[1], err_msg=f"{target} {name} scales")
+
+
+@pytest.mark.parametrize("precision, bits", [("palettize4", 4), ("palettize2", 2)])
+def test_ane_palettes_are_the_cpu_checkpoints_value_tables(precision, bits, tmp_path):
+    """palettize4/2 hold the codes of npumoe quantize --bits 4|2 (group 64) as indices and each group's value
+    table as its palette; a layer-0 build is enough to read them."""
+    from npumoe.core.artifacts import build
+    from npumoe.core.calibrate import calibrate
+    from npumoe.core.plan import plan
+
+    model, fmt = npumoe.load(), mappings.NPU_PALETTES[bits]
+    cpu = quantized_demo(tmp_path / "cpu", fmt)
+    ane_plan = plan(model, calibrate(model, [corpus.calibration_texts(1)[0][:1500]], chunk=16), target="ane",
+                    residency="npu")
+    build(model, ane_plan, "ane", tmp_path / "ane", max_context=64, progress=False, precision=precision, layers={0})
+    palettes = ane_arrays(tmp_path / "ane", "constexpr_lut_to_dense")
+    layer0 = sorted(n for n in model.weights if n.startswith("layers.0.") and ".experts." in n)
+    assert {n.replace(".", "_") for n in layer0} == set(palettes)
+    for name in layer0:
+        want = mappings.lut_to_dense(stored_codes(cpu, name))
+        np.testing.assert_array_equal(palettes[name.replace(".", "_")]["indices"], want.indices, err_msg=name)
+        np.testing.assert_array_equal(palettes[name.replace(".", "_")]["lut"], want.lut, err_msg=name)
 
 
 def test_htp_w4a16_agrees_with_fp32_on_held_out_text(built):
@@ -115,14 +147,15 @@ def test_a_quantized_checkpoints_codes_are_what_the_npus_take(cpu_checkpoint):
     requantisation of their values, which differs where a group's fp16 scale is subnormal."""
     weights = cpu_checkpoint.weights
     name = next(n for n in weights.packed if ".experts." in n)
-    stored = layout.from_tiles(weights.packed[name].tiled())
-    assert np.array_equal(spec.unpack(npu_int4_codes(weights, name)), spec.unpack(stored))
+    assert np.array_equal(spec.unpack(npu_codes(weights, name, mappings.NPU_INT4)),
+                          spec.unpack(stored_codes(cpu_checkpoint, name)))
 
-    tiny = mappings.npu_int4(np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32) * 1e-6)
+    tiny = mappings.NPU_INT4.quantize(np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32) * 1e-6)
     values = spec.dequantize(tiny)
-    assert not np.array_equal(spec.unpack(mappings.npu_int4(values)), spec.unpack(tiny))  # requantised: other codes
+    assert not np.array_equal(spec.unpack(mappings.NPU_INT4.quantize(values)), spec.unpack(tiny))  # other codes
 
     class Quantized(dict):  # what a quantised checkpoint's weights offer: packed linears, and their values
         packed = {"w": LutLinear(tiny)}
 
-    assert np.array_equal(spec.unpack(npu_int4_codes(Quantized(w=torch.from_numpy(values)), "w")), spec.unpack(tiny))
+    assert np.array_equal(spec.unpack(npu_codes(Quantized(w=torch.from_numpy(values)), "w", mappings.NPU_INT4)),
+                          spec.unpack(tiny))

@@ -97,7 +97,7 @@ class AneBackend(BackendBase):
         """Each graph is traced, converted and saved on its own, then the functions are merged:
         one graph's weights in memory at a time, however many share the package."""
         from npumoe.backends.apple_ane import lint
-        from npumoe.backends.apple_ane.compress import int4_blocks
+        from npumoe.backends.apple_ane.compress import luts_arrays
         from npumoe.backends.apple_ane.convert import PackageWriter, convert_graph
         from npumoe.backends.apple_ane.layout import AneGraphModule
 
@@ -106,8 +106,8 @@ class AneBackend(BackendBase):
             for g in pkg.graphs:
                 module = AneGraphModule(g, weights, pkg.kv)
                 entries[g.name] = self._entry(g, module, pkg, precision)
-                int4 = int4_blocks(module, weights) if precision == "int4" else None
-                writer.add(function_name(g), convert_graph(module, precision, int4))
+                arrays = luts_arrays(module, weights, precision) if precision != "fp16" else None
+                writer.add(function_name(g), convert_graph(module, precision, arrays))
                 del module
         lint.check(path)
         return entries

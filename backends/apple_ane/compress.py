@@ -7,19 +7,22 @@ shared FFNs and the LM head stay fp16: they are a small share of the bytes and t
 sensitive to 4-bit error (on a small random-weight Qwen3-MoE, int4 everywhere gave a logit
 cosine of 0.96, int4 experts alone 0.998). Only 1×1-conv (linear) weights are compressed.
 
-int4 codes and scales come from ``npumoe.luts`` (:func:`npumoe.luts.checkpoint.npu_int4_codes`:
-computed from the weights as stored, not from their fp16 rounding), so Core ML stores the ones
-the CPU LUT kernels run and the HTP's w4a16 holds; coremltools' quantisation pass only places
-them, each fp16 constant matched to its codes by content. Palettes are still coremltools'
-seeded k-means. Both are deterministic, so identical weights in two functions compress
-identically and a multifunction package still stores them once.
+Codes, scales and palettes come from ``npumoe.luts`` (:func:`npumoe.luts.checkpoint.npu_codes`,
+computed from the weights as stored, not from their fp16 rounding), so Core ML stores the values
+the CPU LUT kernels run and, at int4, the HTP's w4a16 holds: int4 is
+:data:`~npumoe.luts.mappings.NPU_INT4` as ``constexpr_blockwise_shift_scale``; palettize4/2 are
+:data:`~npumoe.luts.mappings.NPU_PALETTES`, one palette per row and 64 inputs, the group's value
+table (``constexpr_lut_to_dense``). A luts palette is affine, so at 4 bits it holds what an
+asymmetric int4 block would, at 8 bits a weight against 4.5: int4 is the one to ship, palettize4
+the one to compare with a ``npumoe quantize --bits 4`` CPU run. coremltools' quantisation and
+palettisation passes only place the arrays, each fp16 constant matched to its codes by content.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
@@ -34,15 +37,21 @@ class Scheme:
     description: str
 
 
-INT4_BLOCK = mappings.NPU_INT4_GROUP  # input channels per int4 scale
-PALETTE_GROUP = 16  # output channels sharing one palette
+INT4_BLOCK = mappings.NPU_INT4.group  # input channels per int4 scale
+PALETTES = {"palettize4": mappings.NPU_PALETTES[4], "palettize2": mappings.NPU_PALETTES[2]}
+
+
+def _palette_bits(fmt: mappings.NpuFormat) -> float:
+    return fmt.bits + 2**fmt.bits * 16 / fmt.group  # indices + one fp16 palette per row and group
+
 
 SCHEMES = {
     "fp16": Scheme(None, 16, "fp16 weights"),
     "int4": Scheme("constexpr_blockwise_shift_scale", 4 + 16 / INT4_BLOCK,
-                   f"int4 symmetric, one fp16 scale per {INT4_BLOCK} input channels (npumoe.luts codes of the stored weights)"),
-    "palettize4": Scheme("constexpr_lut_to_dense", 4, f"4-bit k-means palette per {PALETTE_GROUP} output channels"),
-    "palettize2": Scheme("constexpr_lut_to_dense", 2, f"2-bit k-means palette per {PALETTE_GROUP} output channels"),
+                   f"int4 symmetric, one fp16 scale per {INT4_BLOCK} input channels (npumoe.luts codes)"),
+    **{name: Scheme("constexpr_lut_to_dense", _palette_bits(fmt),
+                    f"{fmt.bits}-bit palette per row and {fmt.group} input channels (npumoe.luts value tables)")
+       for name, fmt in PALETTES.items()},
 }
 
 
@@ -60,61 +69,70 @@ def scheme(precision: str) -> Scheme:
     return SCHEMES[precision]
 
 
-def compress(mlmodel, precision: str, int4: Mapping[bytes, mappings.BlockwiseShiftScale] | None = None):
-    """The model with its conv weights compressed as ``precision`` says (fp16: unchanged); ``int4`` holds
-    the codes of every conv weight at precision int4 (:func:`int4_blocks`)."""
+def compress(mlmodel, precision: str, arrays: Mapping[bytes, object] | None = None):
+    """The model with its conv weights compressed as ``precision`` says (fp16: unchanged); ``arrays`` holds
+    every conv weight's luts arrays (:func:`luts_arrays`)."""
     if scheme(precision).op is None:
         return mlmodel
     import coremltools.optimize.coreml as cto
+    from coremltools.converters.mil.mil import types
+    from coremltools.models.utils import _apply_graph_pass
+    from coremltools.optimize._utils import LutParams, QuantParams
+    from coremltools.optimize.coreml._quantization_passes import linear_quantize_weights, palettize_weights
+
+    def found(original_data):
+        if (value := arrays.get(_digest(original_data))) is None:
+            raise RuntimeError(f"a {original_data.shape[:2]} conv weight has no luts arrays: luts_arrays missed it")
+        return value, (1,) * (original_data.ndim - 2)
+
+    class LutsInt4(linear_quantize_weights):  # coremltools 9's passes; each override is the pass's one hook
+        @classmethod
+        def blockwise_compress_by_dtype(cls, original_data, dtype, mode, block_sizes):
+            blocks, tail = found(original_data)
+            return QuantParams(data=blocks.data.reshape(*blocks.data.shape, *tail).astype(types.nptype_from_builtin(types.int4)),
+                               scale=blocks.scale.reshape(*blocks.scale.shape, *tail), offset=None, nbits=np.uint8(4))
+
+    class LutsPalettes(palettize_weights):
+        @staticmethod
+        def blockwise_compress(original_data, *args, **kwargs):
+            palette, tail = found(original_data)
+            index_type = types.nptype_from_builtin(getattr(types, palette.dtype))
+            return LutParams(indices=palette.indices.reshape(*palette.indices.shape, *tail).astype(index_type),
+                             lut=palette.lut.reshape(*palette.lut.shape[:2], *tail, *palette.lut.shape[2:]),
+                             vector_axis=None)
 
     if precision == "int4":
         op_config = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int4", granularity="per_block",
                                                 block_size=INT4_BLOCK, weight_threshold=0)
-        return luts_int4(mlmodel, cto.OptimizationConfig(op_type_configs={"conv": op_config}), int4)
-    op_config = cto.OpPalettizerConfig(mode="kmeans", nbits=int(scheme(precision).bits),
-                                       granularity="per_grouped_channel", group_size=PALETTE_GROUP,
+        return _apply_graph_pass(mlmodel, LutsInt4(cto.OptimizationConfig(op_type_configs={"conv": op_config})))
+    op_config = cto.OpPalettizerConfig(mode="uniform", nbits=PALETTES[precision].bits, granularity="per_tensor",
                                        weight_threshold=0)
-    return cto.palettize_weights(mlmodel, cto.OptimizationConfig(op_type_configs={"conv": op_config}))
+    return _apply_graph_pass(mlmodel, LutsPalettes(cto.OptimizationConfig(op_type_configs={"conv": op_config})))
 
 
-def int4_blocks(module, weights) -> dict[bytes, mappings.BlockwiseShiftScale]:
-    """Each conv kernel of ``module`` (an AneGraphModule) as luts int4, keyed by its fp16 bytes' digest:
-    coremltools' pass sees only the fp16 constants, the codes come from the weights themselves."""
-    from npumoe.luts.checkpoint import npu_int4_codes
+def luts_arrays(module, weights, precision: str) -> dict[bytes, object]:
+    """Each conv kernel of ``module`` (an AneGraphModule) as the luts arrays ``precision`` stores
+    (:class:`~npumoe.luts.mappings.BlockwiseShiftScale` or :class:`~npumoe.luts.mappings.LutToDense`), keyed by
+    its fp16 bytes' digest: coremltools' passes see only the fp16 constants, the codes come from the weights."""
+    from npumoe.luts.checkpoint import npu_codes
 
-    blocks = {}
+    fmt, to_arrays = ((mappings.NPU_INT4, mappings.blockwise_shift_scale) if precision == "int4"
+                      else (PALETTES[precision], mappings.lut_to_dense))
+    found = {}
     for name, kernels in module.conv_kernels().items():
-        whole, start = mappings.blockwise_shift_scale(npu_int4_codes(weights, name)), 0
+        whole, start = to_arrays(npu_codes(weights, name, fmt)), 0
         for kernel in kernels:
             rows = slice(start, start + kernel.shape[0])
-            blocks[_digest(kernel.numpy())] = mappings.BlockwiseShiftScale(
-                whole.data[rows], whole.scale[rows], None, whole.dtype)
+            found[_digest(kernel.numpy())] = _rows(whole, rows)
             start = rows.stop
-    return blocks
+    return found
+
+
+def _rows(arrays, rows: slice):
+    """The same arrays for a slice of the weight's rows (a kernel of a weight split into several convs)."""
+    return replace(arrays, **{f.name: getattr(arrays, f.name)[rows] for f in fields(arrays)
+                              if isinstance(getattr(arrays, f.name), np.ndarray)})
 
 
 def _digest(fp16_kernel: np.ndarray) -> bytes:
     return hashlib.blake2b(np.ascontiguousarray(fp16_kernel, np.float16).tobytes(), digest_size=16).digest()
-
-
-def luts_int4(mlmodel, config, int4: Mapping[bytes, mappings.BlockwiseShiftScale]):
-    """coremltools' per-block weight quantiser (which finds the conv weights and writes
-    ``constexpr_blockwise_shift_scale``) with the codes and scales of ``int4``."""
-    from coremltools.converters.mil.mil import types
-    from coremltools.models.utils import _apply_graph_pass
-    from coremltools.optimize._utils import QuantParams
-    from coremltools.optimize.coreml._quantization_passes import linear_quantize_weights
-
-    class LutsQuantizer(linear_quantize_weights):  # coremltools 9's pass; the override is its one hook
-        @classmethod
-        def blockwise_compress_by_dtype(cls, original_data, dtype, mode, block_sizes):
-            rows, cols = original_data.shape[:2]
-            packed = int4.get(_digest(original_data))
-            if packed is None:
-                raise RuntimeError(f"a {rows}×{cols} conv weight has no luts int4 codes: int4_blocks missed it")
-            tail = (1,) * (original_data.ndim - 2)
-            return QuantParams(data=packed.data.reshape(original_data.shape).astype(types.nptype_from_builtin(types.int4)),
-                               scale=packed.scale.reshape(rows, cols // INT4_BLOCK, *tail), offset=None,
-                               nbits=np.uint8(4))
-
-    return _apply_graph_pass(mlmodel, LutsQuantizer(config))

@@ -24,8 +24,8 @@ from npumoe.backends.apple_ane.layout import AneGraphModule
 DEPLOYMENT_TARGET = ct.target.iOS18  # the same opset as macOS15: states and multifunction need it
 
 
-def convert_graph(module: AneGraphModule, precision: str, int4=None) -> ct.models.MLModel:
-    """``int4``: the conv weights' luts codes when ``precision`` is int4 (:func:`.compress.int4_blocks`)."""
+def convert_graph(module: AneGraphModule, precision: str, arrays=None) -> ct.models.MLModel:
+    """``arrays``: the conv weights' luts arrays when ``precision`` compresses them (:func:`.compress.luts_arrays`)."""
     module = module.half().eval()
     shapes = module.input_shapes()
     example = tuple(torch.zeros(s, dtype=torch.int32 if module.input_is_int(n) else torch.float16)
@@ -38,7 +38,7 @@ def convert_graph(module: AneGraphModule, precision: str, int4=None) -> ct.model
                   for n, s in module.kv.shapes.items()]
     with contextlib.redirect_stderr(io.StringIO()):  # its per-pipeline progress bars: noise in npumoe's output
         mlmodel = _convert(traced, module, shapes, states)
-        return compress(mlmodel, precision, int4)
+        return compress(mlmodel, precision, arrays)
 
 
 def _convert(traced, module: AneGraphModule, shapes: dict, states) -> ct.models.MLModel:

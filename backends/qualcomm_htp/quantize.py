@@ -4,7 +4,7 @@ onnxruntime's QNN quantisation config inserts QuantizeLinear/DequantizeLinear pa
 QNN folds into fixed-point HTP ops. Activation ranges come from calibration feeds (MinMax).
 Linear weights ([in, out] MatMul initializers) are symmetric (QNN's int4 is wrong with non-zero
 zero points): w8a16 per output channel from onnxruntime's quantiser; w4a16 in blocks of 32 inputs
-with the codes and scales of :func:`npumoe.luts.checkpoint.npu_int4_codes` (onnxruntime places the
+with the codes and scales of :func:`npumoe.luts.checkpoint.npu_codes` (:data:`npumoe.luts.mappings.NPU_INT4`) (onnxruntime places the
 QDQ nodes, luts fills them), the values the ANE's int4 packages and the CPU LUT kernels hold. Other
 initializers (norm weights, constants) get 8 bits per tensor. :data:`SCHEMES` is also what the
 manifest records.
@@ -99,7 +99,7 @@ def _put_luts_codes(model, linear: dict[str, str], weights: Mapping[str, torch.T
 
     from npumoe.backends.onnx_export import TRANSPOSED
     from npumoe.luts import mappings
-    from npumoe.luts.checkpoint import npu_int4_codes
+    from npumoe.luts.checkpoint import npu_codes
 
     producer = {out: node for node in model.graph.node for out in node.output}
     initializers = {i.name: i for i in model.graph.initializer}
@@ -107,7 +107,7 @@ def _put_luts_codes(model, linear: dict[str, str], weights: Mapping[str, torch.T
         if node.name not in linear:
             continue
         dq = producer[node.input[1]]
-        qdq = mappings.qdq_blocked(npu_int4_codes(weights, linear[node.name].removesuffix(TRANSPOSED)))
+        qdq = mappings.qdq_blocked(npu_codes(weights, linear[node.name].removesuffix(TRANSPOSED), mappings.NPU_INT4))
         arrays = {dq.input[0]: qdq.data.T, dq.input[1]: qdq.scale.T, dq.input[2]: qdq.zero_point.T}
         for name, array in arrays.items():
             dtype = ml_dtypes.int4 if array.dtype == np.int8 else np.float32

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from npumoe.core.io import atomic_write_text, sha256_file
@@ -72,3 +74,23 @@ def verified(path: Path) -> bool:
 
 def _sidecar(path: Path) -> Path:
     return path.with_name(path.name + SIDECAR)
+
+
+@contextmanager
+def native_output_silenced(*fds: int):
+    """File descriptors ``fds`` (1: stdout, 2: stderr) go to /dev/null for the block: native libraries that
+    print from C (QNN's HTP "# LIBNATIVE" notice, llama.cpp's quantiser) put third-party noise in npumoe's
+    output, and a corrupt document after ``--json``. Their errors still arrive as exceptions or return codes."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    saved = {fd: os.dup(fd) for fd in fds}
+    try:
+        for fd in fds:
+            os.dup2(devnull, fd)
+        yield
+    finally:
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(devnull)

@@ -53,6 +53,7 @@ BENCHMARKS = {
     "hvx": "npumoe.commands.bench_hvx:bench_hvx_command",
     "scale": "npumoe.commands.bench_scale:bench_scale_command",
     "decode": "npumoe.commands.bench_decode:bench_decode_command",
+    "cpu": "npumoe.commands.bench_cpu:bench_cpu_command",
 }
 
 

@@ -8,11 +8,9 @@ and the EPContext model that reloads it agree on SoC and precision.
 
 from __future__ import annotations
 
-import os
-import sys
-from contextlib import contextmanager
 from pathlib import Path
 
+from npumoe.core.native import native_output_silenced
 from npumoe.errors import BackendUnavailableError, InputError
 
 # Snapdragon SoC model numbers QNN knows → (name, HTP architecture). From QNN's SoC table.
@@ -96,21 +94,5 @@ def session(model: bytes | Path, soc: str, fp16: bool, *, context_path: Path | N
     devices = [d for d in ort.get_ep_devices() if d.ep_name == "QNNExecutionProvider"]
     so.add_provider_for_devices(devices, provider_options(soc, fp16, profile_csv))
     source = str(model) if isinstance(model, Path) else model
-    with native_stdout_silenced():
+    with native_output_silenced(1):  # its "# LIBNATIVE" load notice: noise, and a corrupt --json
         return ort.InferenceSession(source, sess_options=so, disabled_optimizers=DISABLED_OPTIMIZERS)
-
-
-@contextmanager
-def native_stdout_silenced():
-    """QNN's HTP library prints a thread-local-storage notice ("# LIBNATIVE: ...") to the process's stdout
-    when it loads: noise in npumoe's output, and a corrupt document after ``--json``. File descriptor 1 goes
-    to /dev/null while a session is made (errors still arrive as ORT's exceptions)."""
-    sys.stdout.flush()
-    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)

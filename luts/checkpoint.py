@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from npumoe.core.spec import ModelSpec, MoESpec
 from npumoe.core.tensorfile import SafetensorsFile
-from npumoe.core.weights import TensorSource, Weights, expert, tensor_digest
+from npumoe.core.weights import TensorSource, Weights, expected_shapes, expert, tensor_digest
 from npumoe.errors import WeightError
 from npumoe.luts import layout, mappings, spec
 from npumoe.luts.torch_op import LutLinear
@@ -45,16 +45,28 @@ METADATA_KEY = "npumoe.luts"
 PARTS = ("planes", "scales", "zeros")
 
 
-def quantized_names(model_spec: ModelSpec) -> list[str]:
-    """The matrices a checkpoint stores packed: every routed expert's gate, up and down."""
-    return [f"{expert(i, e)}.{proj}.weight"
-            for i, layer in enumerate(model_spec.layers) if isinstance(layer.ffn, MoESpec)
-            for e in range(layer.ffn.num_experts) for proj in ("gate", "up", "down")]
+LINEARS = {"experts": "routed experts", "all": "every linear but the routers"}
+HEAD = "lm_head.weight"
 
 
-def section(bits: int, group: int, symmetric: bool) -> dict:
+def quantized_names(model_spec: ModelSpec, linears: str = "experts") -> list[str]:
+    """The matrices a checkpoint stores packed: every routed expert's gate, up and down; with ``linears="all"``
+    also attention projections, dense and shared FFNs and the LM head. Routers stay as stored (their top-k
+    picks the experts, and they are a small share of the bytes), so does the embedding (a row gather)."""
+    routed = [f"{expert(i, e)}.{proj}.weight"
+              for i, layer in enumerate(model_spec.layers) if isinstance(layer.ffn, MoESpec)
+              for e in range(layer.ffn.num_experts) for proj in ("gate", "up", "down")]
+    if linears == "experts":
+        return routed
+    others = [name for name, shape in expected_shapes(model_spec).items()
+              if len(shape) == 2 and name.endswith(".weight") and name != "embed.weight" and ".router." not in name]
+    return routed + sorted(set(others) - set(routed))
+
+
+def section(bits: int, group: int, symmetric: bool, linears: str = "experts", head_bits: int | None = None) -> dict:
+    weights = LINEARS[linears] + (f", the LM head at {head_bits} bits" if head_bits not in (None, bits) else "")
     return {"format": FORMAT, "version": VERSION, "bits": bits, "group": group, "symmetric": symmetric,
-            "weights": "routed experts"}
+            "weights": weights}
 
 
 def read(path: Path, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, spec.Packed]]:

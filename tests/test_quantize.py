@@ -89,6 +89,38 @@ def test_engine_runs_experts_through_lut_linear_close_to_dequantised_fp32(quanti
     assert len(npumoe.Engine(model, chunk=8).generate(ids[:5], max_new_tokens=6)) == 6
 
 
+def test_all_linears_packs_attention_ffns_and_the_head_and_runs_them_on_the_lut_kernels(source, tmp_path, capsys):
+    """--linears all: every linear but the routers (and the embedding) is packed, the LM head at its own bits,
+    and the engine runs each through lut_linear close to dequantise-then-matmul."""
+    main(["quantize", "--model", str(source), "--bits", "4", "--group", "64", "--linears", "all",
+          "--head-bits", "8", "--out", str(tmp_path / "q")])
+    assert "every linear but the routers, the LM head at 8 bits at 4 bits" in capsys.readouterr().out
+    model = npumoe.load(tmp_path / "q")
+    packed = model.weights.packed
+    assert {"layers.1.attn.q.weight", "layers.0.attn.o.weight", "lm_head.weight"} <= set(packed)
+    assert not {n for n in packed if ".router." in n} and "embed.weight" not in packed
+    assert packed["lm_head.weight"].bits == 8 and packed["layers.0.attn.k.weight"].bits == 4
+    main(["inspect", str(tmp_path / "q")])
+    assert "24 routed-expert matrices and 9 other linears packed for the LUT kernels (4-bit group 64, 8-bit group " \
+           "64" in " ".join(capsys.readouterr().out.split())
+    ran = set()
+    forward = LutLinear.forward
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LutLinear, "forward", lambda self, x: ran.add(id(self)) or forward(self, x))
+        ids = np.random.default_rng(0).integers(0, 64, 16)
+        logits = npumoe.Engine(model, chunk=8).forward(ids)
+    assert {id(packed[n]) for n in ("layers.0.attn.v.weight", "lm_head.weight")} <= ran
+    reference = dataclasses.replace(model, weights=Weights(dict(model.weights), model.spec))
+    # every linear through 8-bit activation tables (12 a layer and the head, against 6 with experts only): 2.1e-3
+    assert nmse(logits, npumoe.Engine(reference, chunk=8).forward(ids)) <= 5e-3
+
+
+def test_head_bits_without_all_linears_is_refused(source, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["quantize", "--model", str(source), "--head-bits", "8", "--out", str(tmp_path / "q")])
+    assert exit_info.value.code == 2 and "add --linears all" in capsys.readouterr().err
+
+
 @pytest.fixture
 def forced_kernel(monkeypatch):
     """Set NPUMOE_LUT_KERNEL for one test; the op picks its kernels once, so forget that choice around it."""

@@ -28,7 +28,9 @@ from npumoe.core.native import native_output_silenced
 
 CONFIG = {**QWEN3_30B_A3B, "num_hidden_layers": 2, "vocab_size": 8192, "bos_token_id": 1, "eos_token_id": 2}
 CHECKPOINT = CACHE / "qwen3-30b-a3b-2-layers-vocab8192"
-# npumoe format → (quantize bits or None for the stored bf16, the llama.cpp format it is measured against)
+# npumoe format → (quantize bits or None for the stored bf16, the llama.cpp format it is measured against);
+# low-bit formats pack every linear but the routers, the LM head at 8 bits (llama.cpp's Q4_0/Q2_K keep
+# their output matrix at 6 bits: Q6_K)
 PAIRS = {"bf16": (None, "F16"), "int4": (4, "Q4_0"), "int2": (2, "Q2_K")}
 LLAMA_FTYPES = {"Q4_0": 2, "Q2_K": 10}  # llama_ftype values (llama.h)
 GOALS = {"bf16": 0.9, "int4": 1.0, "int2": 1.0}  # npumoe decode tok/s ÷ llama.cpp's, issue 18
@@ -132,10 +134,10 @@ def prepared(console: Console, with_llama: bool) -> dict[str, tuple[Path, Path |
         source = write_random_checkpoint(CONFIG, CHECKPOINT, progress=False)
     paths = {}
     for fmt, (bits, llama_format) in PAIRS.items():
-        ckpt = source if bits is None else source.with_name(f"{source.name}-int{bits}")
+        ckpt = source if bits is None else source.with_name(f"{source.name}-int{bits}-all-linears")
         if bits is not None and not (ckpt / "config.json").is_file():
-            with console.status(f"npumoe quantize --bits {bits} (once)"):
-                quantize_checkpoint(source, ckpt, bits=bits, group=64)
+            with console.status(f"npumoe quantize --bits {bits} --linears all (once)"):
+                quantize_checkpoint(source, ckpt, bits=bits, group=64, linears="all", head_bits=8)
         gguf_path = source / f"model-{llama_format}.gguf" if with_llama else None
         if gguf_path is not None and not gguf_path.is_file():
             with console.status(f"writing the {llama_format} GGUF (once)"):
@@ -232,7 +234,7 @@ def bench_cpu_command(rounds, prefill_tokens, decode_tokens, as_json):
     """npumoe's CPU path against llama.cpp on one model: decode and prefill tokens/s per format.
 
     \b
-    npumoe bf16 / int4 / int2 (npumoe quantize --bits 4|2) against llama.cpp F16 / Q4_0 / Q2_K, interleaved
+    npumoe bf16 / int4 / int2 (npumoe quantize --bits 4|2 --linears all) against llama.cpp F16 / Q4_0 / Q2_K, interleaved
     in one process. Needs llama-cpp-python and gguf for the llama.cpp rows (pip install 'npumoe[bench]');
     without them it prints npumoe's rows and says so. The model (~2.6 GB and its copies) is written once to
     the bench cache.

@@ -76,12 +76,15 @@ DTYPE_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 
 
 def packed_line(packed, source: str) -> str:
-    """How many routed-expert matrices run on the LUT kernels, in which formats, and why any do not
-    (only MXFP4 offers matrices it may keep widened: those with a scale float16 cannot hold)."""
+    """How many matrices run on the LUT kernels (routed experts, and other linears after quantize --linears
+    all), in which formats, and why any do not (only MXFP4 offers matrices it may keep widened: those with a
+    scale float16 cannot hold)."""
     count, offered = len(packed), len(packed.candidates)
+    others = sum(".experts." not in name for name in packed)
     formats = ", ".join(f"{bits}-bit group {group}" for bits, group in packed.formats) or "none"
-    share = str(count) if count == offered else f"{count} of {offered}"
-    line = f"{share} routed-expert matrices packed for the LUT kernels ({formats}; from {source})"
+    share = str(count - others) if count == offered else f"{count - others} of {offered - others}"
+    what = f"{share} routed-expert matrices" + (f" and {others} other linears" if others else "")
+    line = f"{what} packed for the LUT kernels ({formats}; from {source})"
     kept = offered - count
     return f"{line}; {kept} kept widened because their scales are outside fp16" if kept else line
 

@@ -1,10 +1,11 @@
-"""`npumoe quantize`: the routed experts in the LUT kernels' low-bit format."""
+"""`npumoe quantize`: the routed experts (or every linear) in the LUT kernels' low-bit format."""
 
 from __future__ import annotations
 
 import click
 
 from npumoe.commands.options import model_option
+from npumoe.errors import InputError
 from npumoe.luts.quantize import quantize_checkpoint
 
 
@@ -14,15 +15,27 @@ from npumoe.luts.quantize import quantize_checkpoint
 @click.option("--group", default=64, show_default=True, type=int,
               help="Weights per scale and zero point along K: 32, 64 or 128.")
 @click.option("--symmetric", is_flag=True, help="Zero point fixed at 2^(bits−1) (signed int4 for QNN's HTP).")
+@click.option("--linears", type=click.Choice(["experts", "all"]), default="experts", show_default=True,
+              help="experts: the routed experts only; all: also attention, dense and shared FFNs and the LM head "
+                   "(routers and the embedding stay as stored).")
+@click.option("--head-bits", type=click.Choice(["1", "2", "3", "4", "5", "8"]), default=None,
+              callback=lambda c, p, v: None if v is None else int(v),
+              help="Bits of the LM head with --linears all (default: 8; it is the most sensitive matrix).")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="Directory for the quantised checkpoint.")
-def quantize_command(model_dir, bits, group, symmetric, out_dir):
-    """Quantise the routed experts' weights to the npumoe LUT format (npumoe.load reads the result).
+def quantize_command(model_dir, bits, group, symmetric, linears, head_bits, out_dir):
+    """Quantise weights to the npumoe LUT format (npumoe.load reads the result): the routed experts, or
+    with --linears all every linear but the routers, each run by the LUT kernels on the CPU.
 
     \b
-    Example:
+    Examples:
       npumoe quantize --model DIR --bits 4 --group 64 --out DIR2
+      npumoe quantize --model DIR --bits 4 --linears all --out DIR3     # the LM head at 8 bits
       npumoe generate --model DIR2
     """
-    info = quantize_checkpoint(model_dir, out_dir, bits, group, symmetric, progress=True)
+    if head_bits is not None and linears != "all":
+        raise InputError("--head-bits applies with --linears all (the LM head is packed only then); add --linears all.")
+    head_bits = head_bits or (8 if linears == "all" else None)
+    info = quantize_checkpoint(model_dir, out_dir, bits, group, symmetric, progress=True, linears=linears,
+                               head_bits=head_bits)
     kind = "symmetric" if info["symmetric"] else "asymmetric"
-    click.echo(f"wrote {out_dir}: routed experts at {bits} bits, group {group}, {kind}")
+    click.echo(f"wrote {out_dir}: {info['weights']} at {bits} bits, group {group}, {kind}")

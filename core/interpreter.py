@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from npumoe.core.backend import check_feed
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op
-from npumoe.luts.torch_op import bf16_linear, bf16_linear_many
+from npumoe.luts.torch_op import bf16_linear, bf16_linear_many, lut_linear_many
 
 
 def _rmsnorm(x, w, *, eps):
@@ -125,6 +125,9 @@ def _lut_linear(x, w, b=None):
     return y if b is None else y + b
 
 
+BATCHED = {_linear: bf16_linear_many, _lut_linear: lut_linear_many}  # step kind → its batched kernel call
+
+
 def _slice(x, *, axis, start, stop, step):
     return x.narrow(axis, start, stop - start) if step == 1 else x[(slice(None),) * axis + (slice(start, stop, step),)]
 
@@ -200,28 +203,28 @@ class TorchGraphExecutor:
 
     @staticmethod
     def run_many(executors: list[TorchGraphExecutor], inputs: list[Mapping[str, torch.Tensor]]) -> list[dict]:
-        """Each executor on its inputs, as calling each computes them, with independent bf16 linears batched
-        into one kernel call: consecutive ones of a graph that read no output of each other (q, k, v; gate,
-        up) and, for graphs of one shape run side by side (a decode step's experts), the same step of every
-        graph. The kernel then streams all their matrices as one run instead of restarting per matrix."""
+        """Each executor on its inputs, as calling each computes them, with independent bf16 or packed linears
+        batched into one kernel call: consecutive ones of a graph that read no output of each other (q, k, v;
+        gate, up) and, for graphs of one shape run side by side (a decode step's experts), the same step of
+        every graph. The kernel then streams all their matrices as one run instead of restarting per matrix."""
         if not _same_steps(executors):
             return [e(i) for e, i in zip(executors, inputs)]
         envs = [dict(i) for i in inputs]
         for run in executors[0]._runs:
             steps = [(e._steps[i], env) for e, env in zip(executors, envs) for i in run]
-            if not (steps[0][0][0] is _linear and len(steps) > 1 and _run_linears(steps)):
+            if not (steps[0][0][0] in BATCHED and len(steps) > 1 and _run_linears(steps)):
                 for step, env in steps:
                     _run_step(step, env)
         return [{name: env[name] for name in e.graph.outputs} for e, env in zip(executors, envs)]
 
 
 def _independent_runs(steps: list) -> list[list[int]]:
-    """Step indices in runs: consecutive linears none of which reads another's output share a run, every
-    other step is a run of its own."""
+    """Step indices in runs: consecutive linears of one kind (bf16 or packed) none of which reads another's
+    output share a run, every other step is a run of its own."""
     runs: list[list[int]] = []
     for i, (impl, args, _, _) in enumerate(steps):
         last = runs[-1] if runs else None
-        if impl is _linear and last and steps[last[0]][0] is _linear \
+        if impl in BATCHED and last and steps[last[0]][0] is impl \
                 and args[0] not in {out for j in last for out in steps[j][3]}:
             last.append(i)
         else:
@@ -244,9 +247,10 @@ def _run_step(step, env: dict) -> None:
 
 
 def _run_linears(steps: list[tuple]) -> bool:
-    """Linear steps, each with its environment, as one batched bf16 GEMV; False (nothing run) where it does
-    not apply."""
-    ys = bf16_linear_many([env[args[0]] for (_, args, _, _), env in steps], [args[1] for (_, args, _, _), _ in steps])
+    """Linear steps of one kind, each with its environment, as one batched bf16 or LUT GEMV; False (nothing
+    run) where it does not apply."""
+    many = BATCHED[steps[0][0][0]]
+    ys = many([env[args[0]] for (_, args, _, _), env in steps], [args[1] for (_, args, _, _), _ in steps])
     if ys is None:
         return False
     for ((_, args, _, outputs), env), y in zip(steps, ys):

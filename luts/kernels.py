@@ -33,6 +33,12 @@ class Bf16Task(ctypes.Structure):
     _fields_ = [("w", _P), ("x", _P), ("y", _P), ("m", _I), ("n", _I), ("k", _I)]
 
 
+class LutTask(ctypes.Structure):
+    """One one-row GEMV of ``npumoe_lut_gemv_many``: a prepared weight, x [k] and y [row_blocks·16] fp32."""
+
+    _fields_ = [("w", _W), ("x", _P), ("y", _P)]
+
+
 _SIGNATURES = {
     "npumoe_lut_isa": ([], ctypes.c_char_p),
     "npumoe_cpu_features": ([], ctypes.c_uint),
@@ -43,6 +49,7 @@ _SIGNATURES = {
     "npumoe_stream_read": ([_P, ctypes.c_size_t, _I, ctypes.c_size_t], ctypes.c_uint64),
     "npumoe_bf16_gemv": ([_P, _P, _I, _I, _I, _P, _I], ctypes.c_int),
     "npumoe_bf16_gemv_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
+    "npumoe_lut_gemv_many": ([ctypes.POINTER(LutTask), _I, _I, _I], ctypes.c_int),
 }
 
 
@@ -122,6 +129,13 @@ class NativeCalls:
         when the module is not built or they do not fit."""
         calls = self._python_calls
         return calls is not None and calls.gemv(self._gemv_kernel, w.native, x, y, table_bits, threads)
+
+    def lut_gemv_many_at(self, tasks: list[tuple], table_bits: int, threads: int) -> None:
+        """Several one-row LUT-GEMVs, each (weight.native, x address, y address), in one parallel job: a decode
+        step's matrices streamed as one run, each result equal to its own :meth:`gemv`'s."""
+        batch = (LutTask * len(tasks))(*((ctypes.pointer(w), x, y) for w, x, y in tasks))
+        if self.lib.npumoe_lut_gemv_many(batch, len(tasks), table_bits, threads):
+            raise MemoryError("the LUT-GEMV could not allocate its tables")
 
     def tables(self, x, group, table_bits, tq, t_scales, xq):
         self.lib.npumoe_lut_tables(_ptr(x), x.shape[0], group, table_bits, _ptr(tq), _ptr(t_scales), _ptr(xq))

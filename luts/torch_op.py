@@ -115,6 +115,24 @@ def bf16_linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor]) -> list[tor
     return ys
 
 
+def lut_linear_many(xs: list[torch.Tensor], linears: list[LutLinear]) -> list[torch.Tensor] | None:
+    """Each packed linear on its one-row activations in one kernel call (a decode step's experts, or q, k
+    and v): bit for bit what calling each computes. None where it does not apply: more than one row, a
+    tracer, kernels run emulated."""
+    calls = _kernels().calls
+    if not hasattr(calls, "lut_gemv_many_at") or not all(
+            _eager(x) and x.dtype == torch.float32 and x.numel() == x.shape[-1] == lin.in_features
+            for x, lin in zip(xs, linears)):
+        return None
+    xs = [x.contiguous() for x in xs]
+    weights = [lin.tiled() for lin in linears]
+    ys = [torch.empty(w.row_blocks * layout.ROWS) for w in weights]
+    calls.lut_gemv_many_at([(w.native, x.data_ptr(), y.data_ptr()) for w, x, y in zip(weights, xs, ys)], 8,
+                           kernel_threads())
+    out = [y[: lin.out_features].reshape(*x.shape[:-1], lin.out_features) for x, y, lin in zip(xs, ys, linears)]
+    return [y if lin.bias is None else y + lin.bias for y, lin in zip(out, linears)]
+
+
 def _bf16_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Can the bf16 GEMV kernel take x · Wᵀ? fp32 activations of up to BF16_GEMV_MAX_ROWS rows and a
     C-contiguous bf16 W, outside any tracer."""

@@ -129,6 +129,22 @@ def test_thread_counts_agree(lut):
     assert np.array_equal(lut.gemm(tiled, x, threads=1), lut.gemm(tiled, x, threads=2))
 
 
+@pytest.mark.parametrize("table_bits", spec.TABLE_BITS)
+def test_batched_gemv_equals_each_gemv_alone(lut, table_bits):
+    """npumoe_lut_gemv_many (a decode step's matrices in one parallel job): every case's one-row result
+    equals its own GEMV's bit for bit, with 1 and 2 threads."""
+    if not hasattr(lut.calls, "lut_gemv_many_at"):
+        pytest.skip(f"{lut.isa} runs emulated, through single calls only (lut_linear_many falls back to them)")
+    made = [make(case) for case in CASES]
+    for threads in (1, 2):
+        outputs = [np.full(tiled.row_blocks * layout.ROWS, np.nan, np.float32) for _, tiled, _ in made]
+        lut.calls.lut_gemv_many_at([(tiled.native, x[0].ctypes.data, y.ctypes.data)
+                                    for (_, tiled, x), y in zip(made, outputs)], table_bits, threads)
+        for (packed, tiled, x), y in zip(made, outputs):
+            n = packed.meta.shape[0]
+            assert np.array_equal(y[:n], lut.gemv(tiled, x[0], table_bits=table_bits, threads=threads)), packed.meta
+
+
 def test_concurrent_callers_with_different_thread_counts_get_exact_results():
     from concurrent.futures import ThreadPoolExecutor
 

@@ -102,3 +102,22 @@ def test_bf16_linears_batched_in_one_call_equal_each_alone():
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w.float()), rtol=0, atol=1e-4)
     assert bf16_linear_many(xs, [*ws[:-1], ws[-1].float()]) is None
     assert bf16_linear_many([*xs[:-1], torch.randn(17, 32)], ws) is None  # more rows than the kernel takes
+
+
+def test_packed_linears_batched_in_one_call_equal_each_alone():
+    """Several one-row packed linears (other shapes, bits, symmetric or not, with a bias) in one kernel call
+    give what each call alone gives, bit for bit, and the spec's LUT-GEMV within float rounding; a batch
+    with a two-row activation goes back to the caller (None)."""
+    from npumoe.luts.torch_op import LutLinear, lut_linear_many
+
+    rng = np.random.default_rng(4)
+    formats = [(70, 128, 4, 64, False), (1000, 64, 2, 32, True), (16, 256, 8, 128, False), (33, 96, 3, 32, False)]
+    packs = [spec.quantize_pack(rng.standard_normal((n, k)).astype(np.float32), b, g, sym) for n, k, b, g, sym in formats]
+    linears = [LutLinear(p, bias=torch.randn(p.meta.shape[0]) if i == 2 else None) for i, p in enumerate(packs)]
+    xs = [torch.randn(1, k) for _, k, *_ in formats]
+    batched = lut_linear_many(xs, linears)
+    for x, lin, p, y in zip(xs, linears, packs, batched):
+        assert torch.equal(y, lin(x))
+        want = spec.lut_gemv(p, x[0].numpy()) + (0 if lin.bias is None else lin.bias.numpy())
+        np.testing.assert_allclose(y[0].numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert lut_linear_many([*xs[:-1], torch.randn(2, 96)], linears) is None

@@ -193,3 +193,33 @@ def test_experts_run_side_by_side_equal_each_run_alone():
     x = {"x": torch.randn(4, model.spec.hidden_size)}
     mixed = TorchGraphExecutor.run_many([executors[0], pair], [inputs[0], x])
     assert torch.equal(mixed[0]["y"], executors[0](inputs[0])["y"]) and torch.equal(mixed[1]["y"], pair(x)["y"])
+
+
+def test_packed_experts_side_by_side_equal_each_linear_called_alone(tmp_path, monkeypatch):
+    """A decode step's packed experts (npumoe quantize) run side by side, their LUT-GEMVs batched into one
+    kernel call per step, give exactly what calling every linear on its own gives."""
+    import npumoe
+    from npumoe.core import interpreter
+    from npumoe.luts.quantize import quantize_checkpoint
+    from npumoe.luts.torch_op import lut_linear_many
+    from npumoe.models.loader import DEMO_DIR
+
+    quantize_checkpoint(DEMO_DIR, tmp_path / "q", bits=4, group=64, linears="all")
+    model = npumoe.load(tmp_path / "q")
+    layer = model.spec.moe_layers[0]
+    executors = [TorchGraphExecutor(experts_graph(model.spec, layer, (e,), 1, f"e{e}"), model.weights)
+                 for e in range(4)]
+    torch.manual_seed(0)
+    inputs = [{"x": torch.randn(1, model.spec.hidden_size)} for _ in executors]
+    batches = []
+
+    def spied(xs, linears):
+        batches.append(len(xs)) if (ys := lut_linear_many(xs, linears)) is not None else None
+        return ys
+
+    monkeypatch.setitem(interpreter.BATCHED, interpreter._lut_linear, spied)
+    side_by_side = TorchGraphExecutor.run_many(executors, inputs)
+    assert batches == [8, 4]  # gate and up of the 4 experts, then their downs
+    monkeypatch.setattr(interpreter, "BATCHED", {})  # every linear on its own
+    for run, x, got in zip(executors, inputs, side_by_side):
+        assert torch.equal(got["y"], run(x)["y"])

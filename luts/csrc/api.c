@@ -65,31 +65,104 @@ static void gemv_range(void *ctx, int rb0, int rb1) {
 /* The weight entry points take one prepared lut_weight (built once per weight by the caller), not its
  * seven fields: a decode step calls them per expert matrix, with the caller's own state cold in cache. */
 
+/* Bytes of one row's tables against w: the group arrays first, so each stays 4-byte aligned whatever the
+ * table size. */
+static size_t table_bytes(const lut_weight *w, int table_bits) {
+    return sizeof(float) * 5 * (size_t)(w->k / w->group) + (size_t)w->k * 4 * (table_bits / 8);
+}
+
+/* The tables of one row x against w, built in block (table_bytes of it). */
+static lut_tables prepared_tables(const lut_weight *w, const float *x, int table_bits, char *block) {
+    const int groups = w->k / w->group;
+    float *t_scales = (float *)block, *half_ts = t_scales + groups;
+    int32_t *xq = (int32_t *)(half_ts + groups), *bias = xq + groups, *zero_coef = bias + groups;
+    void *tq = zero_coef + groups;
+    npumoe_lut_tables(x, w->k, w->group, table_bits, tq, t_scales, xq);
+    for (int g = 0; g < groups; g++) {
+        half_ts[g] = t_scales[g] * 0.5f;
+        bias[g] = w->zeros ? ((1 << w->bits) - 1) * xq[g] : -xq[g];
+        zero_coef[g] = -2 * xq[g];
+    }
+    return (lut_tables){tq, t_scales, xq, table_bits, half_ts, bias, zero_coef};
+}
+
+static size_t row_block_bytes(const lut_weight *w) {
+    return (size_t)w->k / LUT_TILE_K * w->bits * LUT_TILE_BYTES +
+           (size_t)(w->k / w->group) * LUT_ROWS * (sizeof(uint16_t) + (w->zeros ? 1 : 0));
+}
+
 /* y [m][row_blocks*16] = x [m][k] · Wᵀ; acc (optional) [m][row_blocks*16][G] gets the int32 accumulators. */
 NPUMOE_API int npumoe_lut_gemv(const lut_weight *w, const float *x, int m, int table_bits, float *y, int32_t *acc,
                                int threads) {
     const int k = w->k, groups = k / w->group, row_blocks = w->row_blocks;
-    /* the group arrays first, so each stays 4-byte aligned whatever the table size */
-    char *block = malloc(sizeof(float) * 5 * groups + (size_t)k * 4 * (table_bits / 8));
+    char *block = malloc(table_bytes(w, table_bits));
     if (!block) return -1;
-    float *t_scales = (float *)block, *half_ts = t_scales + groups;
-    int32_t *xq = (int32_t *)(half_ts + groups), *bias = xq + groups, *zero_coef = bias + groups;
-    void *tq = zero_coef + groups;
-    const lut_tables t = {tq, t_scales, xq, table_bits, half_ts, bias, zero_coef};
     const size_t rows = (size_t)row_blocks * LUT_ROWS;
-    const size_t row_block_bytes = (size_t)k / LUT_TILE_K * w->bits * LUT_TILE_BYTES +
-                                   (size_t)groups * LUT_ROWS * (sizeof(uint16_t) + (w->zeros ? 1 : 0));
     for (int i = 0; i < m; i++) {
-        npumoe_lut_tables(x + (size_t)i * k, k, w->group, table_bits, tq, t_scales, xq);
-        for (int g = 0; g < groups; g++) {
-            half_ts[g] = t_scales[g] * 0.5f;
-            bias[g] = w->zeros ? ((1 << w->bits) - 1) * xq[g] : -xq[g];
-            zero_coef[g] = -2 * xq[g];
-        }
+        const lut_tables t = prepared_tables(w, x + (size_t)i * k, table_bits, block);
         gemv_job job = {w, &t, y + i * rows, acc ? acc + i * rows * groups : NULL};
-        lut_parallel(gemv_range, &job, row_blocks, threads, (int)(LUT_STREAM_CHUNK / row_block_bytes + 1));
+        lut_parallel(gemv_range, &job, row_blocks, threads, (int)(LUT_STREAM_CHUNK / row_block_bytes(w) + 1));
     }
     free(block);
+    return 0;
+}
+
+/* Several one-row GEMVs in one parallel job (a decode step's experts, q/k/v): the row blocks of all the
+ * matrices are numbered one after another, so the threads stream one long run of weights instead of
+ * restarting (and waking) per matrix. Each result equals npumoe_lut_gemv's for its task. */
+typedef struct {
+    const lut_weight *w;
+    const float *x; /* [k] */
+    float *y;       /* [row_blocks*16] */
+} npumoe_lut_task;
+
+typedef struct {
+    const npumoe_lut_task *tasks;
+    const lut_tables *tables;
+    const int *first_block; /* [count + 1]: the global number of each task's first block */
+} gemv_batch;
+
+static void gemv_batch_range(void *ctx, int b0, int b1) {
+    const gemv_batch *batch = ctx;
+    int t = 0;
+    while (batch->first_block[t + 1] <= b0) t++;
+    for (; b0 < b1; t++) {
+        const int base = batch->first_block[t], end = batch->first_block[t + 1] < b1 ? batch->first_block[t + 1] : b1;
+        const lut_tables *tables = &batch->tables[t];
+        (tables->table_bits == 8 ? ISA.gemv8 : gemv_portable)(batch->tasks[t].w, tables, b0 - base, end - base,
+                                                               batch->tasks[t].y, NULL);
+        b0 = end;
+    }
+}
+
+NPUMOE_API int npumoe_lut_gemv_many(const npumoe_lut_task *tasks, int count, int table_bits, int threads) {
+    size_t bytes = 1, weight_bytes = 0;
+    for (int t = 0; t < count; t++) bytes += table_bytes(tasks[t].w, table_bits);
+    char *block = malloc(bytes);
+    lut_tables *tables = malloc(sizeof(lut_tables) * (count + 1));
+    int *first_block = malloc(sizeof(int) * (count + 1));
+    if (!block || !tables || !first_block) {
+        free(block), free(tables), free(first_block);
+        return -1;
+    }
+    char *at = block;
+    first_block[0] = 0;
+    for (int t = 0; t < count; t++) {
+        const lut_weight *w = tasks[t].w;
+        tables[t] = prepared_tables(w, tasks[t].x, table_bits, at);
+        at += table_bytes(w, table_bits);
+        first_block[t + 1] = first_block[t] + w->row_blocks;
+        weight_bytes += (size_t)w->row_blocks * row_block_bytes(w);
+    }
+    const int blocks = first_block[count];
+    if (blocks > 0) {
+        gemv_batch batch = {tasks, tables, first_block};
+        /* chunks of ≥ 1 MB (each chunk restarts the read stream), but at least one per thread */
+        int min_chunk = (int)(LUT_STREAM_CHUNK / (weight_bytes / blocks + 1) + 1);
+        if (threads > 1 && min_chunk > blocks / threads) min_chunk = blocks / threads > 0 ? blocks / threads : 1;
+        lut_parallel(gemv_batch_range, &batch, blocks, threads, min_chunk);
+    }
+    free(block), free(tables), free(first_block);
     return 0;
 }
 

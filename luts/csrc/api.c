@@ -157,10 +157,7 @@ NPUMOE_API int npumoe_lut_gemv_many(const npumoe_lut_task *tasks, int count, int
     const int blocks = first_block[count];
     if (blocks > 0) {
         gemv_batch batch = {tasks, tables, first_block};
-        /* chunks of ≥ 1 MB (each chunk restarts the read stream), but at least one per thread */
-        int min_chunk = (int)(LUT_STREAM_CHUNK / (weight_bytes / blocks + 1) + 1);
-        if (threads > 1 && min_chunk > blocks / threads) min_chunk = blocks / threads > 0 ? blocks / threads : 1;
-        lut_parallel(gemv_batch_range, &batch, blocks, threads, min_chunk);
+        lut_parallel(gemv_batch_range, &batch, blocks, threads, lut_batch_chunk(weight_bytes, blocks, threads));
     }
     free(block), free(tables), free(first_block);
     return 0;

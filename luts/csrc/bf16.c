@@ -148,10 +148,7 @@ NPUMOE_API int npumoe_bf16_gemv_many(const npumoe_bf16_task *tasks, int count, i
     const int blocks = first_block[count];
     if (blocks > 0) {
         bf16_batch batch = {jobs, first_block, count};
-        /* chunks of ≥ 1 MB (each chunk restarts the read stream), but at least one per thread */
-        int min_chunk = (int)(LUT_STREAM_CHUNK / (weight_bytes / blocks + 1) + 1);
-        if (threads > 1 && min_chunk > blocks / threads) min_chunk = blocks / threads > 0 ? blocks / threads : 1;
-        lut_parallel(bf16_range, &batch, blocks, threads, min_chunk);
+        lut_parallel(bf16_range, &batch, blocks, threads, lut_batch_chunk(weight_bytes, blocks, threads));
     }
     free(split), free(jobs), free(first_block);
     return 0;

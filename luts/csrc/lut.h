@@ -93,5 +93,7 @@ void lut_parallel(lut_range_fn fn, void *ctx, int units, int threads, int min_ch
  * in 16 chunks of 300 KB reached 0.90-0.91 of the plain read, in 4 chunks 0.95 (and 0.81 → 0.91-0.93
  * when the VM's bandwidth jumped to 51 GB/s). */
 #define LUT_STREAM_CHUNK (1 << 20)
+/* A batched job's smallest chunk: LUT_STREAM_CHUNK of its weights, but at least one chunk per thread. */
+int lut_batch_chunk(size_t weight_bytes, int blocks, int threads);
 
 #endif

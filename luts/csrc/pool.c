@@ -151,3 +151,9 @@ void lut_parallel(lut_range_fn fn, void *ctx, int units, int threads, int min_ch
             sched_yield();
     pthread_mutex_unlock(&pool.call_lock);
 }
+
+int lut_batch_chunk(size_t weight_bytes, int blocks, int threads) {
+    int min_chunk = (int)(LUT_STREAM_CHUNK / (weight_bytes / blocks + 1) + 1);
+    if (threads > 1 && min_chunk > blocks / threads) min_chunk = blocks / threads > 0 ? blocks / threads : 1;
+    return min_chunk;
+}

@@ -28,6 +28,7 @@ from npumoe.core.native import native_output_silenced
 
 CONFIG = {**QWEN3_30B_A3B, "num_hidden_layers": 2, "vocab_size": 8192, "bos_token_id": 1, "eos_token_id": 2}
 CHECKPOINT = CACHE / "qwen3-30b-a3b-2-layers-vocab8192"
+GGUF_DIR = CACHE / "qwen3-30b-a3b-2-layers-vocab8192-gguf"  # beside, not inside: quantize copies a checkpoint's files
 # npumoe format → (quantize bits or None for the stored bf16, the llama.cpp format it is measured against);
 # low-bit formats pack every linear but the routers, the LM head at 8 bits (llama.cpp's Q4_0/Q2_K keep
 # their output matrix at 6 bits: Q6_K)
@@ -138,18 +139,19 @@ def prepared(console: Console, with_llama: bool) -> dict[str, tuple[Path, Path |
         if bits is not None and not (ckpt / "config.json").is_file():
             with console.status(f"npumoe quantize --bits {bits} --linears all (once)"):
                 quantize_checkpoint(source, ckpt, bits=bits, group=64, linears="all", head_bits=8)
-        gguf_path = source / f"model-{llama_format}.gguf" if with_llama else None
+        gguf_path = GGUF_DIR / f"model-{llama_format}.gguf" if with_llama else None
         if gguf_path is not None and not gguf_path.is_file():
             with console.status(f"writing the {llama_format} GGUF (once)"):
-                _write_gguf(npumoe.load(source, dtype="bfloat16"), source, llama_format)
+                _write_gguf(npumoe.load(source, dtype="bfloat16"), llama_format)
         paths[fmt] = (ckpt, gguf_path)
     return paths
 
 
-def _write_gguf(model, source: Path, llama_format: str) -> None:
+def _write_gguf(model, llama_format: str) -> None:
     from npumoe.models.gguf_export import write_gguf
 
-    f16 = source / "model-F16.gguf"
+    GGUF_DIR.mkdir(parents=True, exist_ok=True)
+    f16 = GGUF_DIR / "model-F16.gguf"
     if not f16.is_file():
         write_gguf(model, CONFIG["model_type"], f16.with_suffix(".part")).rename(f16)
     if llama_format == "F16":
@@ -158,7 +160,7 @@ def _write_gguf(model, source: Path, llama_format: str) -> None:
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype, params.nthread = LLAMA_FTYPES[llama_format], THREADS
-    out = source / f"model-{llama_format}.gguf"
+    out = GGUF_DIR / f"model-{llama_format}.gguf"
     part = out.with_suffix(".part")
     with native_output_silenced(1, 2):  # its per-tensor progress lines
         failed = llama_cpp.llama_model_quantize(str(f16).encode(), str(part).encode(), params)
@@ -233,11 +235,10 @@ def render(rows: list[Row], bandwidth: float, note: str | None, console: Console
 def bench_cpu_command(rounds, prefill_tokens, decode_tokens, as_json):
     """npumoe's CPU path against llama.cpp on one model: decode and prefill tokens/s per format.
 
-    \b
-    npumoe bf16 / int4 / int2 (npumoe quantize --bits 4|2 --linears all) against llama.cpp F16 / Q4_0 / Q2_K, interleaved
-    in one process. Needs llama-cpp-python and gguf for the llama.cpp rows (pip install 'npumoe[bench]');
-    without them it prints npumoe's rows and says so. The model (~2.6 GB and its copies) is written once to
-    the bench cache.
+    npumoe bf16 / int4 / int2 (npumoe quantize --bits 4|2 --linears all) against llama.cpp F16 / Q4_0 / Q2_K,
+    interleaved in one process. The llama.cpp rows need llama-cpp-python and gguf (pip install
+    'npumoe[bench]'); without them it prints npumoe's rows and says so. The model (~2.6 GB, with its
+    copies ~6 GB) is written once to the bench cache.
 
     \b
     Examples:

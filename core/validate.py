@@ -65,6 +65,12 @@ def validate(model, target: str, artifacts, ids, greedy_tokens: int = GREEDY_TOK
     )
 
 
+def perplexity(model, ids, chunk: int = 64) -> float:
+    """``model``'s perplexity on token ``ids``, run by the unplanned CPU engine with a cache as long as them."""
+    ids = np.asarray(ids)
+    return _perplexity(Engine(model, chunk=chunk, max_context=len(ids)).forward(ids), ids)
+
+
 def _leading_matches(a: np.ndarray, b: np.ndarray) -> int:
     """Tokens equal from the start (generation may stop early at an end-of-sequence token)."""
     n = min(len(a), len(b))

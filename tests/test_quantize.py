@@ -115,6 +115,30 @@ def test_all_linears_packs_attention_ffns_and_the_head_and_runs_them_on_the_lut_
     assert nmse(logits, npumoe.Engine(reference, chunk=8).forward(ids)) <= 5e-3
 
 
+def test_heldout_reports_the_perplexity_the_format_costs(source, tmp_path, capsys):
+    """--heldout prints the source's and the result's perplexity on the text; the source's is what transformers
+    gives on the same tokens, the result's what the quantised model gives."""
+    from hf_compare import transformers
+
+    from npumoe.core.validate import perplexity
+
+    text = "0123456789:;<=>?!#$%&()*+,-./" * 12  # byte tokens inside the tiny model's 64-token vocabulary
+    (tmp_path / "heldout.txt").write_text(text)
+    capsys.readouterr()
+    main(["quantize", "--model", str(source), "--bits", "2", "--group", "32", "--heldout", str(tmp_path / "heldout.txt"),
+          "--out", str(tmp_path / "q")])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    ids = np.frombuffer(text.encode(), np.uint8).astype(np.int64)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source).float().eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(torch.from_numpy(ids)[None]).logits[0, :-1].double(), -1)
+    truth = float(torch.exp(-logp[torch.arange(len(ids) - 1), torch.from_numpy(ids[1:])].mean()))
+    quantised = perplexity(npumoe.load(tmp_path / "q"), ids)
+    assert line == (f"held-out perplexity on {len(ids)} tokens: {truth:.3f} → {quantised:.3f} "
+                    f"({100 * (quantised / truth - 1):+.2f} %)")
+    assert abs(quantised - truth) > 1e-3  # 2 bits cost something
+
+
 def test_head_bits_without_all_linears_is_refused(source, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["quantize", "--model", str(source), "--head-bits", "8", "--out", str(tmp_path / "q")])

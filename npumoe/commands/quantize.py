@@ -5,8 +5,11 @@ from __future__ import annotations
 import click
 
 from npumoe.commands.options import model_option
+from npumoe.core.io import existing_file
 from npumoe.errors import InputError
 from npumoe.luts.quantize import quantize_checkpoint
+
+HELDOUT_TOKENS = 512  # enough for a perplexity that moves with the format, short enough for a 30 B model on a CPU
 
 
 @click.command("quantize")
@@ -21,8 +24,11 @@ from npumoe.luts.quantize import quantize_checkpoint
 @click.option("--head-bits", type=click.Choice(["1", "2", "3", "4", "5", "8"]), default=None,
               callback=lambda c, p, v: None if v is None else int(v),
               help="Bits of the LM head with --linears all (default: 8; it is the most sensitive matrix).")
+@click.option("--heldout", "heldout_file", type=click.Path(), default=None,
+              help=f"Text to measure what the format costs: the held-out perplexity of the source and of the result "
+                   f"on its first {HELDOUT_TOKENS} tokens (both run on the CPU afterwards).")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="Directory for the quantised checkpoint.")
-def quantize_command(model_dir, bits, group, symmetric, linears, head_bits, out_dir):
+def quantize_command(model_dir, bits, group, symmetric, linears, head_bits, heldout_file, out_dir):
     """Quantise weights to the npumoe LUT format (npumoe.load reads the result): the routed experts, or
     with --linears all every linear but the routers, each run by the LUT kernels on the CPU.
 
@@ -30,8 +36,10 @@ def quantize_command(model_dir, bits, group, symmetric, linears, head_bits, out_
     Examples:
       npumoe quantize --model DIR --bits 4 --group 64 --out DIR2
       npumoe quantize --model DIR --bits 4 --linears all --out DIR3     # the LM head at 8 bits
+      npumoe quantize --model DIR --bits 2 --heldout text.txt --out DIR4   # and what 2 bits cost
       npumoe generate --model DIR2
     """
+    heldout = heldout_ids(model_dir, heldout_file) if heldout_file else None  # a bad file is named before any work
     if head_bits is not None and linears != "all":
         raise InputError("--head-bits applies with --linears all (the LM head is packed only then); add --linears all.")
     head_bits = head_bits or (8 if linears == "all" else None)
@@ -39,3 +47,25 @@ def quantize_command(model_dir, bits, group, symmetric, linears, head_bits, out_
                                head_bits=head_bits)
     kind = "symmetric" if info["symmetric"] else "asymmetric"
     click.echo(f"wrote {out_dir}: {info['weights']} at {bits} bits, group {group}, {kind}")
+    if heldout is not None:
+        from npumoe.core.validate import perplexity
+        from npumoe.models.loader import load
+
+        source, result = (perplexity(load(d), heldout) for d in (model_dir, out_dir))
+        click.echo(f"held-out perplexity on {len(heldout)} tokens: {source:.3f} → {result:.3f} "
+                   f"({100 * (result / source - 1):+.2f} %)")
+
+
+def heldout_ids(model_dir, heldout_file) -> list[int]:
+    """The first tokens of the held-out text, by the source's tokenizer."""
+    from npumoe.models.loader import load
+
+    text = existing_file(heldout_file, "held-out text (--heldout FILE)").read_text(encoding="utf-8", errors="replace")
+    tokenizer = load(model_dir).tokenizer
+    if tokenizer is None:
+        raise InputError(f"{model_dir} has no tokenizer npumoe reads, so --heldout cannot turn text into tokens; "
+                         "leave --heldout out.")
+    ids = list(tokenizer.encode(text))[:HELDOUT_TOKENS]
+    if len(ids) < 8:
+        raise InputError(f"--heldout {heldout_file} gives {len(ids)} tokens; a perplexity needs at least 8.")
+    return ids

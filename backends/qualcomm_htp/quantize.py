@@ -3,11 +3,11 @@
 onnxruntime's QNN quantisation config inserts QuantizeLinear/DequantizeLinear pairs that
 QNN folds into fixed-point HTP ops. Activation ranges come from calibration feeds (MinMax).
 Linear weights ([in, out] MatMul initializers) are symmetric (QNN's int4 is wrong with non-zero
-zero points): w8a16 per output channel from onnxruntime's quantiser; w4a16 in blocks of 32 inputs
-with the codes and scales of :func:`npumoe.luts.checkpoint.npu_codes` (:data:`npumoe.luts.mappings.NPU_INT4`) (onnxruntime places the
-QDQ nodes, luts fills them), the values the ANE's int4 packages and the CPU LUT kernels hold. Other
-initializers (norm weights, constants) get 8 bits per tensor. :data:`SCHEMES` is also what the
-manifest records.
+zero points): w8a16 per output channel from onnxruntime's quantiser; w4a16's routed experts in
+blocks of 32 inputs with the codes and scales of :func:`npumoe.luts.checkpoint.npu_codes` in
+:data:`npumoe.luts.mappings.NPU_INT4` (onnxruntime places the QDQ nodes, luts fills them): the
+values the ANE's int4 packages and the CPU LUT kernels hold. Other initializers (norm weights,
+constants) get 8 bits per tensor. :data:`SCHEMES` is also what the manifest records.
 """
 
 from __future__ import annotations

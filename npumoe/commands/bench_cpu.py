@@ -115,9 +115,12 @@ def gguf_decode_bytes(path: Path) -> int:
     """The same for a GGUF file, from its tensors' stored sizes (stacked experts scaled by top-k / E)."""
     import gguf
 
+    from npumoe.models.gguf_export import ARCHITECTURES
+
     reader = gguf.GGUFReader(path)
-    used = reader.fields["qwen3moe.expert_used_count"].parts[-1][0]
-    experts = reader.fields["qwen3moe.expert_count"].parts[-1][0]
+    arch = ARCHITECTURES[CONFIG["model_type"]]
+    used = reader.fields[f"{arch}.expert_used_count"].parts[-1][0]
+    experts = reader.fields[f"{arch}.expert_count"].parts[-1][0]
     total = 0.0
     for tensor in reader.tensors:
         if tensor.name == "token_embd.weight":

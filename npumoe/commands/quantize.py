@@ -7,7 +7,9 @@ import click
 from npumoe.commands.options import model_option
 from npumoe.core.io import existing_file
 from npumoe.errors import InputError
+from npumoe.luts.checkpoint import LINEARS
 from npumoe.luts.quantize import quantize_checkpoint
+from npumoe.luts.spec import BITS
 
 HELDOUT_TOKENS = 512  # enough for a perplexity that moves with the format, short enough for a 30 B model on a CPU
 
@@ -18,10 +20,10 @@ HELDOUT_TOKENS = 512  # enough for a perplexity that moves with the format, shor
 @click.option("--group", default=64, show_default=True, type=int,
               help="Weights per scale and zero point along K: 32, 64 or 128.")
 @click.option("--symmetric", is_flag=True, help="Zero point fixed at 2^(bits−1) (signed int4 for QNN's HTP).")
-@click.option("--linears", type=click.Choice(["experts", "all"]), default="experts", show_default=True,
+@click.option("--linears", type=click.Choice(list(LINEARS)), default="experts", show_default=True,
               help="experts: the routed experts only; all: also attention, dense and shared FFNs and the LM head "
                    "(routers and the embedding stay as stored).")
-@click.option("--head-bits", type=click.Choice(["1", "2", "3", "4", "5", "8"]), default=None,
+@click.option("--head-bits", type=click.Choice([str(b) for b in BITS]), default=None,
               callback=lambda c, p, v: None if v is None else int(v),
               help="Bits of the LM head with --linears all (default: 8; it is the most sensitive matrix).")
 @click.option("--heldout", "heldout_file", type=click.Path(), default=None,
@@ -39,9 +41,9 @@ def quantize_command(model_dir, bits, group, symmetric, linears, head_bits, held
       npumoe quantize --model DIR --bits 2 --heldout text.txt --out DIR4   # and what 2 bits cost
       npumoe generate --model DIR2
     """
-    heldout = heldout_ids(model_dir, heldout_file) if heldout_file else None  # a bad file is named before any work
     if head_bits is not None and linears != "all":
         raise InputError("--head-bits applies with --linears all (the LM head is packed only then); add --linears all.")
+    source, heldout = heldout_tokens(model_dir, heldout_file) if heldout_file else (None, None)  # named before work
     head_bits = head_bits or (8 if linears == "all" else None)
     info = quantize_checkpoint(model_dir, out_dir, bits, group, symmetric, progress=True, linears=linears,
                                head_bits=head_bits)
@@ -51,21 +53,22 @@ def quantize_command(model_dir, bits, group, symmetric, linears, head_bits, held
         from npumoe.core.validate import perplexity
         from npumoe.models.loader import load
 
-        source, result = (perplexity(load(d), heldout) for d in (model_dir, out_dir))
-        click.echo(f"held-out perplexity on {len(heldout)} tokens: {source:.3f} → {result:.3f} "
-                   f"({100 * (result / source - 1):+.2f} %)")
+        before, after = perplexity(source, heldout), perplexity(load(out_dir), heldout)
+        click.echo(f"held-out perplexity on {len(heldout)} tokens: {before:.3f} → {after:.3f} "
+                   f"({100 * (after / before - 1):+.2f} %)")
 
 
-def heldout_ids(model_dir, heldout_file) -> list[int]:
-    """The first tokens of the held-out text, by the source's tokenizer."""
+def heldout_tokens(model_dir, heldout_file):
+    """(the source model, the first tokens of the held-out text by its tokenizer)."""
+    from npumoe.core.validate import MIN_TOKENS
     from npumoe.models.loader import load
 
     text = existing_file(heldout_file, "held-out text (--heldout FILE)").read_text(encoding="utf-8", errors="replace")
-    tokenizer = load(model_dir).tokenizer
-    if tokenizer is None:
+    source = load(model_dir)
+    if source.tokenizer is None:
         raise InputError(f"{model_dir} has no tokenizer npumoe reads, so --heldout cannot turn text into tokens; "
                          "leave --heldout out.")
-    ids = list(tokenizer.encode(text))[:HELDOUT_TOKENS]
-    if len(ids) < 8:
-        raise InputError(f"--heldout {heldout_file} gives {len(ids)} tokens; a perplexity needs at least 8.")
-    return ids
+    ids = list(source.tokenizer.encode(text))[:HELDOUT_TOKENS]
+    if len(ids) < MIN_TOKENS:
+        raise InputError(f"--heldout {heldout_file} gives {len(ids)} tokens; a perplexity needs at least {MIN_TOKENS}.")
+    return source, ids

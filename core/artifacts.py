@@ -11,10 +11,12 @@ inside its directory: a manifest is input, and one edited to say ``../../etc/pas
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
-from npumoe.core.backend import Lowered
+from npumoe.core.backend import Executor, Lowered
 from npumoe.core.identity import check_weights
 from npumoe.core.io import atomic_write_text, read_json_artifact, sha256_file
 from npumoe.core.outputs import OutputKind, claim, json_kind, staged_directory
@@ -173,8 +175,10 @@ def check_built_for(manifest: dict, out_dir: str | Path, model) -> None:
                   f"rebuild it for {model.name} with npumoe build", required=True)
 
 
-def load_executors(backend, out_dir: str | Path, graphs: list[Graph], weights, model) -> dict:
-    """Executors for the given NPU graphs from a verified artifact directory."""
+def executor_loaders(backend, out_dir: str | Path, graphs: list[Graph], weights,
+                     model) -> tuple[dict[str, Callable[[], Executor]], dict[str, int]]:
+    """For the given NPU graphs of a verified artifact directory: a loader of each one's executor, and the
+    bytes each occupies once loaded (its artifact's size). Verified once here; each load reads one graph."""
     manifest = read_manifest(out_dir)
     check_built_for(manifest, out_dir, model)
     missing = [g.name for g in graphs if g.name not in manifest["graphs"]]
@@ -183,5 +187,12 @@ def load_executors(backend, out_dir: str | Path, graphs: list[Graph], weights, m
                             f"{missing[0]!r}; build every layer to run the model.")
     if missing:
         raise ArtifactError(f"{out_dir} has no compiled graph {missing[0]!r}; it was built from another plan.")
-    return {g.name: backend.load(Lowered.from_entry(manifest["graphs"][g.name]), Path(out_dir), g, weights)
-            for g in graphs}
+    entries = {g.name: manifest["graphs"][g.name] for g in graphs}
+    loaders = {g.name: functools.partial(backend.load, Lowered.from_entry(entries[g.name]), Path(out_dir), g, weights)
+               for g in graphs}
+    return loaders, {name: int(entry.get("bytes", 0)) for name, entry in entries.items()}
+
+
+def load_executors(backend, out_dir: str | Path, graphs: list[Graph], weights, model) -> dict:
+    """Executors for the given NPU graphs from a verified artifact directory."""
+    return {name: load() for name, load in executor_loaders(backend, out_dir, graphs, weights, model)[0].items()}

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from npumoe.core.artifacts import MANIFEST, read_manifest
 from npumoe.core.costmodel import DEVICES, Workload, check_published, estimate
+from npumoe.core.plan import Plan
 from npumoe.core.targets import read_targets, target_directory
 from npumoe.errors import ArtifactError, InputError
 
@@ -52,7 +53,7 @@ def _row(out_dir: Path, manifest: dict, target: str, entry: dict) -> dict:
         raise ArtifactError(f"{out_dir / MANIFEST} lacks {target}'s validation or workload ({err}); the manifest "
                             "was altered, rebuild with npumoe build --targets.") from None
     graphs = built["graphs"]
-    plan_layers = built["plan"]["layers"]
+    layers = Plan.from_json(built["plan"], f"{directory / MANIFEST}'s plan").layers
     return {
         **validation,
         "graphs": len(graphs),
@@ -60,9 +61,8 @@ def _row(out_dir: Path, manifest: dict, target: str, entry: dict) -> dict:
         "artifact_bytes": sum(g["bytes"] for g in graphs.values()),
         "npu_launches_per_decode": work.decode_launches,
         "decode_weight_bytes": work.decode_weight_bytes,
-        "tiers": {layer: lp["tiers"] for layer, lp in plan_layers.items()},
-        "groups": {layer: [{"experts": len(g["experts"]), "capacity": g["capacity"], "residency": g["residency"]}
-                           for g in lp["groups"]] for layer, lp in plan_layers.items()},
+        "groups": {str(layer): [{"experts": len(g.experts), "rows": [sum(s) for s in g.shapes],
+                                 "residency": g.residency} for g in lp.groups] for layer, lp in layers.items()},
         "cpu_graphs": entry.get("cpu_graphs", {}),
         "estimated": {d.name: {"decode_tok_s": e.decode_tok_s, "prefill_tok_s": e.prefill_tok_s}
                       for d in DEVICES if d.npu == target for e in [estimate(d, work)]},

@@ -65,7 +65,8 @@ class Conformance:
         """Check id → a function returning what it measured (raising AssertionError when it fails)."""
         op_checks = {f"op.{op}": (lambda op=op: self.one_op(op)) for op in sorted(OPS)}
         graph_checks = {f"graph.{kind}": (lambda kind=kind: self.graph_kind(kind)) for kind in KINDS}
-        return {"build": self.build, **op_checks, **graph_checks, "input.missing": self.missing_input,
+        return {"build": self.build, **op_checks, **graph_checks, "graph.experts.capacities": self.capacities,
+                "input.missing": self.missing_input,
                 "input.wrong_shape": self.wrong_shape, "engine.prefill_decode": self.engine,
                 "artifacts.fresh_process": self.fresh_process, "build.deterministic": self.rebuild}
 
@@ -104,8 +105,22 @@ class Conformance:
         graph, weights = self.op_graphs[op]
         if op not in plugin(self.target).caps.ops:
             raise NotApplicable(f"{self.target} does not claim {op}; the planner keeps it on the CPU")
+        return self._alone(graph, weights)
+
+    def capacities(self) -> str:
+        """An expert group whose experts hold different capacities (1, 2 and 3 × the alignment: each expert its own
+        slice of the input, as a plan's shapes have them), built alone, against the interpreter."""
+        from npumoe.core.graphs import experts_graph
+
+        a = plugin(self.target).caps.alignment
+        layer = self.model.spec.moe_layers[0]
+        return self._alone(experts_graph(self.model.spec, layer, (0, 1, 2), (a, 2 * a, 3 * a), "experts_capacities"),
+                           self.model.weights)
+
+    def _alone(self, graph: Graph, weights: Mapping[str, torch.Tensor]) -> str:
+        """``graph`` built on its own, loaded and run on random inputs against the interpreter."""
         backend = get_backend(self.target)
-        out = self.work / "ops" / op
+        out = self.work / "alone" / graph.name
         entry = backend.build([graph], weights, out, progress=False)[graph.name]
         executor = backend.load(Lowered.from_entry(entry), out, graph, weights)
         feed = random_feed(graph)

@@ -85,12 +85,17 @@ class Estimate:
     prefill_tok_s: float
 
 
+def launch_seconds(device: Device, flops: float, weight_bytes: float, launches: float = 1.0) -> float:
+    """Graph launches that do ``flops`` and read ``weight_bytes`` between them: the larger of compute at the NPU's
+    peak and weight traffic at its DRAM bandwidth, plus each launch's cost."""
+    compute, traffic = flops / (device.npu_tops * 1e12), weight_bytes / (device.dram_gb_s * 1e9)
+    return max(compute, traffic) + launches * device.launch_us * 1e-6
+
+
 def estimate(device: Device, work: Workload) -> Estimate:
-    launch = device.launch_us * 1e-6
-    bandwidth = device.dram_gb_s * 1e9
-    decode = work.decode_weight_bytes / bandwidth + work.decode_launches * launch
-    compute = work.chunk * work.prefill_flops_per_token / (device.npu_tops * 1e12)
-    chunk = max(compute, work.chunk_weight_bytes / bandwidth) + work.chunk_launches * launch
+    decode = launch_seconds(device, 0.0, work.decode_weight_bytes, work.decode_launches)
+    chunk = launch_seconds(device, work.chunk * work.prefill_flops_per_token, work.chunk_weight_bytes,
+                           work.chunk_launches)
     return Estimate(device.name, 1 / decode, work.chunk / chunk)
 
 

@@ -176,15 +176,16 @@ def ffn_graph(spec: ModelSpec, i: int, seq: int, shared: bool = False) -> Graph:
     )
 
 
-def experts_graph(spec: ModelSpec, i: int, experts: tuple[int, ...], capacity: int, name: str) -> Graph:
-    """An expert group: x[G·C, H], expert g's tokens in rows [g·C, (g+1)·C) → y[G·C, H]."""
+def experts_graph(spec: ModelSpec, i: int, experts: tuple[int, ...], capacities: tuple[int, ...], name: str) -> Graph:
+    """An expert group: x[Σ C, H], expert g's tokens in the C_g rows after expert g−1's → y[Σ C, H]."""
     moe = spec.layers[i].ffn
-    hidden, rows = spec.hidden_size, len(experts) * capacity
+    hidden, rows = spec.hidden_size, sum(capacities)
     b = GraphBuilder()
-    outs = []
-    for g, e in enumerate(experts):
-        x = "x" if len(experts) == 1 else b("slice", "x", axis=0, start=g * capacity, stop=(g + 1) * capacity, step=1)
+    outs, start = [], 0
+    for e, capacity in zip(experts, capacities):
+        x = "x" if len(experts) == 1 else b("slice", "x", axis=0, start=start, stop=start + capacity, step=1)
         outs.append(mlp(b, x, moe.expert, expert(i, e)))
+        start += capacity
     b.rename_output(outs[0] if len(outs) == 1 else b("concat", *outs, axis=0), "y")
     return Graph(
         name=name,
@@ -193,7 +194,7 @@ def experts_graph(spec: ModelSpec, i: int, experts: tuple[int, ...], capacity: i
         inputs={"x": TensorType((rows, hidden))},
         outputs={"y": TensorType((rows, hidden))},
         ops=b.ops,
-        meta={"experts": list(experts), "capacity": capacity},
+        meta={"experts": list(experts), "capacities": list(capacities)},
     )
 
 

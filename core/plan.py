@@ -1,4 +1,4 @@
-"""The planner: static capacity tiers, expert groups and residency from a RoutingProfile.
+"""The planner: expert groups, their static capacity shapes and residency from a RoutingProfile.
 
 Driven only by the profile (per-chunk expert loads at chunk size B) and the target's
 :class:`~npumoe.core.backend.Capabilities`.
@@ -9,20 +9,24 @@ padding(C) = E[max(0, C − n_ce)] and overflow(C) = E[max(0, n_ce − C)]. Thre
 * ``uniform`` — NPUMoE's single capacity: every expert gets C = r_l·B·k/E.
 * ``paper`` — NPUMoE's tiers: C_base = B·k/E (the mean load; the paper writes B/E with B
   counting routed slots), n_max = r_l·C_base, tiers {n_max, midpoint, C_base}, each expert
-  in the smallest tier at or above its mean load.
-* ``optimal`` (default) — choose ≤ 3 tier values and expert→tier to minimise
-  Σ_e padding + λ·overflow, with λ raised until expected overflow is within
-  ``max_overflow`` of routed slots.
+  in the smallest tier at or above its mean load (here as its capacity in its group's one shape).
+* ``optimal`` (default) — per expert group, up to ``graphs_per_layer`` compiled shapes (a capacity
+  per expert each), fitted like k-medians to the calibration chunks' routing patterns: each chunk
+  goes to the shape with the least padding + λ·overflow, each shape's capacities are that cost's
+  optimum over its chunks (the λ/(1+λ) quantile of each expert's load), and λ is the smallest
+  that keeps expected overflow within ``max_overflow`` of routed slots. The runtime launches,
+  per chunk, the shape that fits its routing best. One capacity per graph padded every chunk's
+  quiet experts to the busiest pattern's size: routing is bursty (a topic shift moves load
+  between experts), and it is the same few patterns again and again.
 
-Groups: the experts of one tier, ordered by popularity, cut into graphs of at most G
-experts (G bounded by the target's max graph bytes), so hot and cold experts never share
-a graph. Residency: a group runs on the NPU when its expected useful tokens per launch pay
-for the dispatch cost (``auto``), always (``npu``) or never (``cpu``).
+Groups: every expert, ordered by popularity, cut into graphs of at most G experts (G bounded
+by the target's max graph bytes). A group graph stacks each expert's own capacity, so the
+capacities cost no extra graphs. Residency: a group runs on the NPU when its expected useful
+tokens per launch pay for the dispatch cost (``auto``), always (``npu``) or never (``cpu``).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -36,7 +40,7 @@ from npumoe.core.identity import check_weights
 from npumoe.core.io import atomic_write_text, read_json_artifact
 from npumoe.core.outputs import OutputKind, claim, json_kind
 from npumoe.core.graphs import experts_graph
-from npumoe.core.program import ExpertGroup, build_program
+from npumoe.core.program import ExpertGroup, StaticShape, build_program
 from npumoe.core.spec import ModelSpec
 from npumoe.core.weights import expected_shapes, mlp_shapes
 from npumoe.errors import ArtifactError, InputError
@@ -44,8 +48,8 @@ from npumoe.errors import ArtifactError, InputError
 METHODS = ("optimal", "paper", "uniform")
 OVERFLOW_POLICIES = ("spill", "drop", "reroute")
 RESIDENCY = ("auto", "npu", "cpu")
-MAX_TIERS = 3
 MAX_GROUP_EXPERTS = 16
+GRAPHS_PER_LAYER = 3  # compiled NPU expert graphs per layer and sequence length, shared by its groups
 KIND = "npumoe.Plan"
 PLAN = OutputKind("a plan (npumoe plan)", directory=False, recognise=json_kind(KIND))
 
@@ -53,7 +57,7 @@ PLAN = OutputKind("a plan (npumoe plan)", directory=False, recognise=json_kind(K
 @dataclass
 class GroupPlan:
     experts: list[int]
-    capacity: int  # per expert; 0 = CPU-resident, runs on exactly its tokens
+    shapes: list[list[int]]  # per compiled shape, each expert's static slots; none = CPU-resident
     residency: str  # "npu" | "cpu"
     expected_tokens: float  # useful token-slots per chunk
     weight_bytes: int
@@ -61,10 +65,9 @@ class GroupPlan:
 
 @dataclass
 class LayerPlan:
-    tiers: list[int]
-    expert_tier: list[int]  # tier index per expert
     groups: list[GroupPlan]
     predicted: dict = field(default_factory=dict)
+    overflow_cost: float = 1.0  # λ: an overflowing token's cost in padded slots, when a shape is chosen
 
 
 @dataclass
@@ -87,20 +90,23 @@ class Plan:
 
     # -- what the program builder asks ---------------------------------------------------------
     def groups(self, layer: int, seq: int) -> list[ExpertGroup]:
-        """Static groups for prefill chunks; the same groups at the smallest aligned capacity
-        for single-token decode (each expert sees at most one token per step)."""
-        out = []
-        for j, g in enumerate(self.layers[layer].groups):
-            cap = g.capacity if seq == self.chunk else (self.alignment if g.capacity else 0)
-            name = f"L{layer}.experts.g{j}.c{cap}" if cap else f"L{layer}.cpu.g{j}"
-            out.append(ExpertGroup(name, tuple(g.experts), cap))
+        """Static groups for prefill chunks, each in its compiled shapes; for single-token decode one shape
+        at the smallest aligned capacity (each expert sees at most one token per step)."""
+        lp, out = self.layers[layer], []
+        for j, g in enumerate(lp.groups):
+            if not g.shapes:
+                out.append(ExpertGroup(f"L{layer}.cpu.g{j}", tuple(g.experts)))
+                continue
+            if seq == self.chunk:
+                shapes = [StaticShape(f"L{layer}.experts.g{j}.p{v}", tuple(c)) for v, c in enumerate(g.shapes)]
+            else:
+                shapes = [StaticShape(f"L{layer}.experts.g{j}.d", (self.alignment,) * len(g.experts))]
+            out.append(ExpertGroup(f"L{layer}.g{j}", tuple(g.experts), tuple(shapes), lp.overflow_cost))
         return out
 
     def place(self, graphs: dict) -> None:
-        npu_groups = {
-            grp.graph for i, lp in self.layers.items() for s in {self.chunk, 1}
-            for grp, g in zip(self.groups(i, s), lp.groups) if g.residency == "npu"
-        }
+        npu_groups = {shape.graph for i in self.layers for s in {self.chunk, 1} for grp in self.groups(i, s)
+                      for shape in grp.shapes}
         for g in graphs.values():
             if g.kind == "experts":
                 g.placement = "npu" if g.name in npu_groups else "cpu"
@@ -135,8 +141,11 @@ class Plan:
             if experts != list(range(spec.layers[i].ffn.num_experts)):
                 bad(f"layer {i}'s groups do not hold each of its {spec.layers[i].ffn.num_experts} experts once")
             for g in lp.groups:
-                if g.capacity < 0 or g.residency not in ("npu", "cpu") or (g.residency == "npu") != (g.capacity > 0):
-                    bad(f"layer {i} has a group of capacity {g.capacity} with residency {g.residency!r}")
+                npu = g.residency == "npu"
+                if (g.residency not in ("npu", "cpu") or npu != bool(g.shapes)
+                        or any(len(c) != len(g.experts) or min(c) < 1 for c in g.shapes)):
+                    bad(f"layer {i} has a group of shapes {g.shapes} for {len(g.experts)} experts with residency "
+                        f"{g.residency!r}")
 
     # -- files -----------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -162,15 +171,30 @@ class Plan:
                                 "make a new one with npumoe plan.")
         layers = {}
         for i, lp in data.pop("layers").items():
+            lp = _upgraded_layer(lp)
             _check_fields(LayerPlan, lp, f"{where}'s layer {i}")
             for j, g in enumerate(lp["groups"]):
                 _check_fields(GroupPlan, g, f"{where}'s layer {i} group {j}")
-            layers[int(i)] = LayerPlan(lp["tiers"], lp["expert_tier"], [GroupPlan(**g) for g in lp["groups"]],
-                                       lp.get("predicted", {}))
+            layers[int(i)] = LayerPlan(**{**lp, "groups": [GroupPlan(**g) for g in lp["groups"]]})
         return cls(layers=layers, **data)
 
 
+def _upgraded_layer(layer):
+    """A layer of a plan made before shapes (capacity tiers, one ``capacity`` for all of a group's experts)
+    in today's form; anything else as it is."""
+    if not isinstance(layer, dict) or "tiers" not in layer or not isinstance(layer.get("groups"), list):
+        return layer
+    groups = []
+    for g in layer["groups"]:
+        if isinstance(g, dict) and isinstance(g.get("experts"), list) and isinstance(g.get("capacity"), int):
+            g = {k: v for k, v in g.items() if k != "capacity"} | {
+                "shapes": [[g["capacity"]] * len(g["experts"])] if g["capacity"] else []}
+        groups.append(g)
+    return {k: v for k, v in layer.items() if k not in ("tiers", "expert_tier")} | {"groups": groups}
+
+
 _JSON_TYPES = {"str": str, "int": int, "float": (int, float), "dict": dict, "list[int]": list, "list[GroupPlan]": list,
+               "list[list[int]]": list,
                "dict[int, LayerPlan]": dict, "str | None": (str, type(None)), "dict[str, str]": dict}
 
 
@@ -188,8 +212,10 @@ def _check_fields(cls, data, where: str) -> None:
                 raise ArtifactError(f"{where} is damaged: it has no {f.name!r}; make a new one with npumoe plan.")
             continue
         value, kind = data[f.name], _JSON_TYPES[f.type]
-        whole = f.type == "int" or f.type == "list[int]"
+        whole = f.type in ("int", "list[int]", "list[list[int]]")
         items = value if f.type == "list[int]" and isinstance(value, list) else [value]
+        if f.type == "list[list[int]]" and isinstance(value, list):
+            items = [x for row in value for x in (row if isinstance(row, list) else [row])]
         if (not isinstance(value, kind) or isinstance(value, bool)
                 or (whole and not all(isinstance(x, int) and not isinstance(x, bool) for x in items))):
             raise ArtifactError(f"{where} is damaged: its {f.name!r} is {value!r:.60}, not a {f.type}; make a new "
@@ -231,54 +257,72 @@ def paper_tiers(loads: np.ndarray, align: int, uniform: bool) -> tuple[list[int]
     return tiers, assignment
 
 
-def optimal_tiers(loads: np.ndarray, align: int, max_overflow: float, max_tiers: int = MAX_TIERS,
-                  overflow_cost: float = 1.0) -> tuple[list[int], list[int]]:
-    """Tier values and expert→tier minimising padding + λ·overflow within an overflow budget."""
-    chunk_slots = int(loads.sum(axis=1).max())
-    top = _aligned(loads.max(), align, chunk_slots)
-    candidates = np.arange(align, top + 1, align)
-    pad, over = expected_padding(loads, candidates), expected_overflow(loads, candidates)
-    routed = loads.sum(axis=1).mean()
-    lam = overflow_cost
-    for _ in range(40):
-        cost = pad + lam * over  # [E, K]
-        tiers_idx = _best_tier_set(cost, max_tiers)
-        choice = np.asarray(tiers_idx)[np.argmin(cost[:, tiers_idx], axis=1)]
-        if over[np.arange(len(choice)), choice].sum() <= max_overflow * routed:
+def shape_costs(loads: np.ndarray, shapes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[C, V] padded and overflowing slots of each chunk (loads [C, G]) under each shape (shapes [V, G])."""
+    excess = shapes[None, :, :] - loads[:, None, :]
+    return np.maximum(excess, 0).sum(axis=2), np.maximum(-excess, 0).sum(axis=2)
+
+
+def chosen_shapes(loads: np.ndarray, shapes: np.ndarray, overflow_cost: float) -> np.ndarray:
+    """[C] the shape each chunk launches: the least padding + overflow_cost · overflow (as the runtime picks)."""
+    pad, over = shape_costs(loads, shapes)
+    return np.argmin(pad + overflow_cost * over, axis=1)
+
+
+def fit_shapes(loads: np.ndarray, align: int, overflow_cost: float, count: int, chunk_slots: int) -> np.ndarray:
+    """Up to ``count`` capacity vectors [V, G] for a group's chunk loads [C, G], fitted like k-medians: each
+    chunk goes to the shape it costs least under, and each shape takes, per expert, the aligned capacity
+    minimising padding + overflow_cost · overflow over its chunks (the cost is convex in the capacity, so
+    it sits at an aligned neighbour of the overflow_cost/(1+overflow_cost) quantile)."""
+    quantile, count = overflow_cost / (1 + overflow_cost), min(count, len(loads))  # no more shapes than chunks
+    top = math.ceil(chunk_slots / align) * align
+
+    def best(chunks: np.ndarray) -> np.ndarray:
+        q = np.quantile(chunks, quantile, axis=0)
+        low = np.clip(np.floor(q / align) * align, align, top)
+        high = np.clip(np.ceil(q / align) * align, align, top)
+        cost = [np.maximum(c - chunks, 0).sum(0) + overflow_cost * np.maximum(chunks - c, 0).sum(0)
+                for c in (low, high)]
+        return np.where(cost[0] <= cost[1], low, high)
+
+    centred = loads - loads.mean(axis=0)  # first split: along the main direction routing varies in
+    direction = np.linalg.svd(centred, full_matrices=False)[2][0] if len(loads) > 1 else np.zeros(loads.shape[1])
+    along = centred @ direction
+    member = np.digitize(along, np.quantile(along, np.linspace(0, 1, count + 1)[1:-1])) if count > 1 else \
+        np.zeros(len(loads), dtype=int)
+    for _ in range(20):
+        shapes = np.unique(np.stack([best(loads[member == v]) for v in np.unique(member)]), axis=0)
+        again = chosen_shapes(loads, shapes, overflow_cost)
+        if len(shapes) == len(np.unique(member)) and np.array_equal(again, member):
             break
-        lam *= 1.5
-    tiers = sorted({int(candidates[i]) for i in choice}, reverse=True)
-    return tiers, [tiers.index(int(candidates[i])) for i in choice]
+        member = again
+    return shapes.astype(int)
 
 
-def _best_tier_set(cost: np.ndarray, max_tiers: int) -> list[int]:
-    """Indices of ≤ max_tiers candidate capacities minimising Σ_e min over the set.
+def optimal_shapes(group_loads: list[np.ndarray], align: int, max_overflow: float,
+                   count: int) -> tuple[list[np.ndarray], float]:
+    """Each group's shapes (fit_shapes) and the overflow cost λ they were fitted at: the smallest λ (by
+    bisection) whose expected overflow over the layer stays within ``max_overflow`` of routed slots,
+    so the least padding the budget allows."""
+    routed = sum(loads.sum(axis=1) for loads in group_loads)
+    chunk_slots, budget = int(routed.max()), max_overflow * routed.mean()
 
-    Exhaustive over a shortlist (each expert's own best capacity and its neighbours), then
-    coordinate descent over all candidates: exact for small E, near-exact beyond."""
-    best_each = np.unique(np.argmin(cost, axis=1))
-    if max_tiers >= len(best_each):  # every expert at its own best: optimal, and no search (--max-tiers 1e10)
-        return sorted(int(i) for i in best_each)
-    shortlist = np.unique(np.clip(np.concatenate([best_each - 1, best_each, best_each + 1]), 0, cost.shape[1] - 1))
-    if len(shortlist) > 24:
-        shortlist = shortlist[np.linspace(0, len(shortlist) - 1, 24).round().astype(int)]
-    best, best_total = None, np.inf
-    for n in range(1, max_tiers + 1):
-        for combo in itertools.combinations(shortlist, n):
-            total = cost[:, combo].min(axis=1).sum()
-            if total < best_total:
-                best, best_total = list(combo), total
-    improved = True
-    while improved:
-        improved = False
-        for t in range(len(best)):
-            others = best[:t] + best[t + 1:]
-            rest = cost[:, others].min(axis=1) if others else np.full(cost.shape[0], np.inf)
-            totals = np.minimum(rest[:, None], cost).sum(axis=0)
-            k = int(np.argmin(totals))
-            if totals[k] < best_total - 1e-9:
-                best[t], best_total, improved = k, totals[k], True
-    return sorted(set(best))
+    def fit(lam: float) -> tuple[list[np.ndarray], bool]:
+        shapes = [fit_shapes(loads, align, lam, count, chunk_slots) for loads in group_loads]
+        over = sum(shape_costs(loads, s)[1][np.arange(len(loads)), chosen_shapes(loads, s, lam)].mean()
+                   for loads, s in zip(group_loads, shapes))
+        return shapes, over <= budget + 1e-9
+
+    low, high = -12.0, 12.0  # log2 λ: overflow only falls as λ grows
+    best = fit(2.0**high)[0]
+    for _ in range(24):
+        mid = (low + high) / 2
+        shapes, ok = fit(2.0**mid)
+        if ok:
+            best, high = shapes, mid
+        else:
+            low = mid
+    return best, 2.0**high
 
 
 # -- groups and residency --------------------------------------------------------------------------
@@ -288,7 +332,7 @@ def expert_bytes(spec: ModelSpec, layer: int, bytes_per_weight: float = 2.0) -> 
 
 
 def make_groups(order: list[int], per_expert_bytes: int, caps: Capabilities) -> list[list[int]]:
-    """Cut a popularity-ordered tier into graphs under the target's max graph bytes."""
+    """Cut popularity-ordered experts into graphs under the target's max graph bytes."""
     if per_expert_bytes > caps.max_graph_bytes:
         raise InputError(
             f"one expert needs {per_expert_bytes / 1e9:.2f} GB but a {caps.name} graph may hold "
@@ -301,7 +345,7 @@ def make_groups(order: list[int], per_expert_bytes: int, caps: Capabilities) -> 
     return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
-def pays_for_npu(useful_tokens: float, slots: int, flops_per_token: float, caps: Capabilities,
+def pays_for_npu(useful_tokens: float, slots: float, flops_per_token: float, caps: Capabilities,
                  cpu: Capabilities, experts: int) -> bool:
     """Is one NPU launch of the group faster than running its useful tokens on the CPU?"""
     npu = caps.dispatch_seconds + slots * flops_per_token / caps.flops_per_second
@@ -309,22 +353,28 @@ def pays_for_npu(useful_tokens: float, slots: int, flops_per_token: float, caps:
     return npu < host
 
 
-def predict(loads: np.ndarray, groups: list[GroupPlan]) -> dict:
+def launch_figures(loads: np.ndarray, shapes: np.ndarray, overflow_cost: float) -> dict[str, np.ndarray]:
+    """Per chunk (loads [C, G]), what launching each chunk's chosen shape gives: slots, useful tokens,
+    overflow, and whether it launches at all (a chunk that routes nothing to the group does not)."""
+    choice = chosen_shapes(loads, shapes, overflow_cost)
+    slots = shapes.sum(axis=1)[choice]
+    fill = np.minimum(loads, shapes[choice]).sum(axis=1)
+    return {"slots": slots, "fill": fill, "overflow": loads.sum(axis=1) - fill, "launched": fill > 0}
+
+
+def predict(loads: np.ndarray, groups: list[GroupPlan], overflow_cost: float) -> dict:
     """Expected per-chunk figures for one layer under spill: padding, overflow, launches, NPU share."""
-    routed = loads.sum(axis=1)
     padded = overflow = npu_tokens = launches = npu_slots = 0.0
     for g in groups:
-        sub = loads[:, g.experts]
-        if g.residency != "npu":
+        if not g.shapes:
             continue
-        fill = np.minimum(sub, g.capacity).sum(axis=1)
-        launched = fill > 0
-        launches += launched.mean()
-        npu_slots += (launched * len(g.experts) * g.capacity).mean()
-        padded += ((len(g.experts) * g.capacity - fill) * launched).mean()
-        overflow += np.maximum(sub - g.capacity, 0).sum(axis=1).mean()
-        npu_tokens += fill.mean()
-    mean_routed = float(routed.mean())
+        f = launch_figures(loads[:, g.experts], np.asarray(g.shapes), overflow_cost)
+        launches += f["launched"].mean()
+        npu_slots += (f["launched"] * f["slots"]).mean()
+        padded += ((f["slots"] - f["fill"]) * f["launched"]).mean()
+        overflow += f["overflow"].mean()
+        npu_tokens += f["fill"].mean()
+    mean_routed = float(loads.sum(axis=1).mean())
     return {
         "padded_pct": 100 * padded / npu_slots if npu_slots else 0.0,
         "overflow_pct": 100 * overflow / mean_routed,
@@ -334,11 +384,11 @@ def predict(loads: np.ndarray, groups: list[GroupPlan]) -> dict:
 
 
 def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "spill", residency: str = "auto",
-         method: str = "optimal", max_overflow: float = 0.10, max_tiers: int = MAX_TIERS) -> Plan:
+         method: str = "optimal", max_overflow: float = 0.10, graphs_per_layer: int = GRAPHS_PER_LAYER) -> Plan:
     """Make a Plan for ``model`` on ``target`` from a calibration ``profile``.
 
-    ``max_overflow`` and ``max_tiers`` steer the optimiser: a larger spill budget or more
-    distinct capacities (each one more graph per layer) buy less padding."""
+    ``max_overflow`` and ``graphs_per_layer`` steer the optimiser: a larger spill budget, or more compiled
+    shapes for the runtime to choose from (the layer's groups share them), buy less padding."""
     spec: ModelSpec = model.spec
     for name, value, allowed in (("overflow", overflow, OVERFLOW_POLICIES), ("residency", residency, RESIDENCY),
                                  ("method", method, METHODS)):
@@ -350,25 +400,24 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
     layers: dict[int, LayerPlan] = {}
     for i in spec.moe_layers:
         loads = profile.loads[i]
+        per_expert = expert_bytes(spec, i)
+        members = make_groups([int(e) for e in profile.popularity(i)], per_expert, caps)
         if method == "optimal":
-            tiers, tier_of = optimal_tiers(loads, caps.alignment, max_overflow, max_tiers)
+            shapes, lam = optimal_shapes([loads[:, g] for g in members], caps.alignment, max_overflow,
+                                         max(1, graphs_per_layer // len(members)))
         else:
             tiers, tier_of = paper_tiers(loads, caps.alignment, uniform=method == "uniform")
-        popularity = [int(e) for e in profile.popularity(i)]
-        per_expert = expert_bytes(spec, i)
-        flops_per_token = 2 * per_expert / 2  # a multiply-add per weight; per_expert counts 2-byte weights
+            shapes, lam = [np.asarray([[tiers[tier_of[e]] for e in g]]) for g in members], 1.0
+        flops = 2 * per_expert / 2  # per token: a multiply-add per weight; per_expert counts 2-byte weights
         groups = []
-        for t, cap in enumerate(tiers):
-            members = [e for e in popularity if tier_of[e] == t]
-            for experts in make_groups(members, per_expert, caps) if members else []:
-                useful = float(np.minimum(loads[:, experts], cap).sum(axis=1).mean())
-                on_npu = f"L{i}.experts" not in cpu_graphs and (residency == "npu" or (
-                    residency == "auto" and pays_for_npu(useful, len(experts) * cap, flops_per_token, caps, cpu,
-                                                         len(experts))
-                ))
-                groups.append(GroupPlan(experts, cap if on_npu else 0, "npu" if on_npu else "cpu", useful,
-                                        per_expert * len(experts)))
-        layers[i] = LayerPlan(tiers, tier_of, groups, predict(loads, groups))
+        for experts, group_shapes in zip(members, shapes):
+            f = launch_figures(loads[:, experts], group_shapes, lam)
+            useful = float(f["fill"].mean())
+            on_npu = f"L{i}.experts" not in cpu_graphs and (residency == "npu" or (
+                residency == "auto" and pays_for_npu(useful, float(f["slots"].mean()), flops, caps, cpu, len(experts))))
+            groups.append(GroupPlan(experts, group_shapes.tolist() if on_npu else [], "npu" if on_npu else "cpu",
+                                    useful, per_expert * len(experts)))
+        layers[i] = LayerPlan(groups, predict(loads, groups, lam), lam)
     totals = {k: float(np.mean([lp.predicted[k] for lp in layers.values()])) for k in next(iter(layers.values())).predicted}
     return Plan(
         model=spec.fingerprint(),
@@ -400,7 +449,7 @@ def unsupported_graphs(spec: ModelSpec, chunk: int, target: str) -> dict[str, st
     program = build_program(spec, chunk=chunk, max_context=1)  # shapes beyond ops and weights do not matter
     found = {name: reason for name, g in program.graphs.items() if g.kind != "experts" and (reason := why_not(g))}
     for i in spec.moe_layers:
-        one = experts_graph(spec, i, (0,), record.caps.alignment, f"L{i}.experts")
+        one = experts_graph(spec, i, (0,), (record.caps.alignment,), f"L{i}.experts")
         if reason := why_not(one):
             found[one.name] = reason
     return found

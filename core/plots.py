@@ -69,17 +69,17 @@ def profile_heatmap_figure(profile):
 
 
 def plan_figure(plan, path) -> Path:
-    """Each expert as a cell: colour = its group's capacity, hatched = CPU-resident."""
+    """Each expert as a cell: colour = its largest capacity over its group's shapes, hatched = CPU-resident."""
     plt = _pyplot()
     layers = sorted(plan.layers)
-    experts = len(plan.layers[layers[0]].expert_tier)
+    experts = sum(len(g.experts) for g in plan.layers[layers[0]].groups)
     cap = np.zeros((len(layers), experts))
     cpu = np.zeros_like(cap, dtype=bool)
     group_id = np.zeros_like(cap, dtype=int)
     for r, i in enumerate(layers):
         for j, g in enumerate(plan.layers[i].groups):
-            for e in g.experts:
-                cap[r, e] = g.capacity or plan.layers[i].tiers[plan.layers[i].expert_tier[e]]
+            for k, e in enumerate(g.experts):
+                cap[r, e] = max((shape[k] for shape in g.shapes), default=0)
                 cpu[r, e] = g.residency == "cpu"
                 group_id[r, e] = j
     fig, ax = plt.subplots(figsize=(max(6, experts * 0.35), max(2.5, len(layers) * 0.45)))
@@ -91,7 +91,7 @@ def plan_figure(plan, path) -> Path:
             ax.text(c, r, str(group_id[r, c]), ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(len(layers)), [f"L{i}" for i in layers])
     ax.set_xlabel("expert (number = group; hatched = CPU-resident)")
-    ax.set_title(f"plan for {plan.target}: capacity per expert, {plan.overflow} overflow, chunk {plan.chunk}")
+    ax.set_title(f"plan for {plan.target}: largest capacity per expert, {plan.overflow} overflow, chunk {plan.chunk}")
     fig.colorbar(im, ax=ax, label="capacity")
     return _save(fig, path)
 

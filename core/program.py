@@ -19,14 +19,35 @@ HOST_OPS = ("embed", "rope_tables", "attention_mask", "kv_append", "router", "di
 
 
 @dataclass(frozen=True)
-class ExpertGroup:
-    """Experts that run together. With a capacity they form one static graph of
-    [len(experts)·capacity, H]; with capacity 0 they are CPU-resident and run on exactly
-    their tokens."""
+class StaticShape:
+    """One compiled graph of an expert group: its input stacks each expert's own slots, [Σ capacities, H]
+    (expert g's rows follow expert g−1's), so a busy and a quiet expert share a launch without the quiet
+    one padding to the busy one's size."""
 
     graph: str
+    capacities: tuple[int, ...]  # static slots per expert, in the group's expert order
+
+    @property
+    def rows(self) -> int:
+        return sum(self.capacities)
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """Experts that run together. With static shapes they launch as one graph per chunk: the shape whose
+    capacities fit that chunk's routing best (padding + ``overflow_cost`` · overflow), so a group need not
+    pad every chunk to its busiest pattern. Without shapes they are CPU-resident and run on exactly their
+    tokens."""
+
+    name: str
     experts: tuple[int, ...]
-    capacity: int
+    shapes: tuple[StaticShape, ...] = ()
+    overflow_cost: float = 1.0  # an overflowing token's cost in padded slots, when choosing a shape
+
+    def __post_init__(self):
+        for shape in self.shapes:
+            if len(shape.capacities) != len(self.experts):
+                raise ValueError(f"{shape.graph}: {len(self.experts)} experts but {len(shape.capacities)} capacities")
 
 
 @dataclass
@@ -67,7 +88,7 @@ def unplanned_groups(spec: ModelSpec, i: int) -> list[ExpertGroup]:
     """Every expert CPU-resident, each run on its own tokens only: exact, never overflows, and a
     chunk of T tokens costs top-k·T expert rows, not T rows for every expert it hits."""
     moe: MoESpec = spec.layers[i].ffn
-    return [ExpertGroup(f"L{i}.cpu.all", tuple(range(moe.num_experts)), 0)]
+    return [ExpertGroup(f"L{i}.cpu.all", tuple(range(moe.num_experts)))]
 
 
 def running_bytes(spec: ModelSpec, chunk: int, max_context: int) -> int:
@@ -103,8 +124,9 @@ def build_program(spec: ModelSpec, chunk: int = 64, max_context: int = 512, plan
             groups = {s: (plan.groups(i, s) if plan is not None else unplanned_groups(spec, i)) for s in seqs}
             for s in seqs:
                 for grp in groups[s]:
-                    if grp.capacity and grp.graph not in out:
-                        _add(out, graphs.experts_graph(spec, i, grp.experts, grp.capacity, grp.graph))
+                    for shape in grp.shapes:
+                        if shape.graph not in out:
+                            _add(out, graphs.experts_graph(spec, i, grp.experts, shape.capacities, shape.graph))
             shared = {s: _add(out, graphs.ffn_graph(spec, i, s, shared=True)) for s in seqs} if ls.ffn.shared else None
             overflow = plan.overflow if plan is not None else "spill"
             step.moe = MoEStep(groups=groups, shared=shared, overflow=overflow)

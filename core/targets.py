@@ -22,7 +22,7 @@ from npumoe.core.calibrate import calibrate
 from npumoe.core.costmodel import workload
 from npumoe.core.io import atomic_write_text, read_json_artifact
 from npumoe.core.outputs import OutputKind, claim, json_kind, staged_directory
-from npumoe.core.plan import plan
+from npumoe.core.plan import GRAPHS_PER_LAYER, plan
 from npumoe.core.validate import validate
 from npumoe.errors import ArtifactError, InputError, NpumoeError
 
@@ -47,7 +47,8 @@ def check_targets(targets: list[str], options: dict[str, dict]) -> None:
 
 def build_targets(model, targets: list[str], texts: dict[str, str], heldout_ids, out_dir, *, chunk: int,
                   max_context: int = 512, residency: str = "auto", options: dict[str, dict] | None = None,
-                  progress: bool = True, report=lambda message: None, profile=None) -> dict:
+                  progress: bool = True, report=lambda message: None, profile=None,
+                  graphs_per_layer: int = GRAPHS_PER_LAYER) -> dict:
     """Build ``targets`` from one calibration of ``texts`` (or the given ``profile``); validate each on
     ``heldout_ids``; return the top-level manifest. ``report`` hears one line per step (the CLI prints them)."""
     options = options or {}
@@ -61,7 +62,7 @@ def build_targets(model, targets: list[str], texts: dict[str, str], heldout_ids,
         profile.save(staging / PROFILE_FILE)
         for target in targets:
             report(f"{target}: planning, building")
-            target_plan = plan(model, profile, target=target, residency=residency)
+            target_plan = plan(model, profile, target=target, residency=residency, graphs_per_layer=graphs_per_layer)
             build(model, target_plan, target, staging / target, max_context=max_context, progress=progress,
                   **options.get(target, {}))
             report(f"{target}: validating on {len(heldout_ids)} held-out tokens")

@@ -267,3 +267,21 @@ def weight_shape(weights: Mapping[str, torch.Tensor], name: str) -> tuple[int, .
     """A weight's shape. Backends take any mapping; a :class:`Weights` answers without
     reading the tensor, which for a packed matrix would mean dequantising it."""
     return weights.source(name).shape if isinstance(weights, Weights) else tuple(weights[name].shape)
+
+
+def compute_bytes(weights: Mapping[str, torch.Tensor], names) -> int:
+    """Bytes the named weights occupy as a run holds them (the compute dtype, fp32 for the fp32-sensitive ones;
+    a packed matrix's packed buffers), without reading any of them."""
+    packed = getattr(weights, "packed", {})
+    total = 0
+    for name in names:
+        if name in packed:
+            total += sum(b.nbytes for b in packed[name].buffers())
+            continue
+        shape = weight_shape(weights, name)
+        if isinstance(weights, Weights):
+            itemsize = 4 if fp32_sensitive(name, shape) else weights.dtype.itemsize
+        else:
+            itemsize = weights[name].element_size()
+        total += math.prod(shape) * itemsize
+    return total

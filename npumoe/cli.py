@@ -54,6 +54,7 @@ BENCHMARKS = {
     "scale": "npumoe.commands.bench_scale:bench_scale_command",
     "decode": "npumoe.commands.bench_decode:bench_decode_command",
     "cpu": "npumoe.commands.bench_cpu:bench_cpu_command",
+    "prefetch": "npumoe.commands.bench_prefetch:bench_prefetch_command",
 }
 
 

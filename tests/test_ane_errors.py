@@ -191,7 +191,7 @@ def test_group_larger_than_a_package_is_refused(small, tmp_path, monkeypatch, ca
     model, ane_plan, path = small
     biggest = max((g for lp in ane_plan.layers.values() for g in lp.groups), key=lambda g: g.weight_bytes)
     monkeypatch.setitem(rules.MAX_PACKAGE_BYTES, "ios", biggest.weight_bytes - 1)
-    with pytest.raises(InputError, match=r"graph L\d\.experts\.g\d\.c\d+ needs .* GB of weights but an ANE package "
+    with pytest.raises(InputError, match=r"graph L\d\.experts\.g\d\.p\d needs .* GB of weights but an ANE package "
                                          r"may hold .* GB on ios"):
         build(model, ane_plan, "ane", tmp_path / "out", progress=False)
     err = cli_error(capsys, "build", "--model", str(path), "--plan", str(path / "plan.json"), "--target", "ane",

@@ -9,7 +9,8 @@ import npumoe
 from hf_compare import build_checkpoint, transformers
 from npumoe.cli import main
 from npumoe.core.calibrate import RoutingProfile, calibrate, imbalance, overlap_at_k
-from npumoe.core.plan import Plan, expected_overflow, expected_padding, optimal_tiers, plan
+from npumoe.core.plan import (Plan, chosen_shapes, expected_overflow, expected_padding, optimal_shapes, plan,
+                              shape_costs)
 from npumoe.errors import ArtifactError, InputError
 
 CFG = dict(vocab_size=256, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
@@ -68,15 +69,12 @@ def test_profile_round_trips_and_overlap(model, profile, tmp_path):
     assert overlap_at_k(profile, again, 2) == {i: 1.0 for i in profile.layers}
 
 
-def test_optimal_tiers_never_worse_than_one_capacity():
+def test_one_shape_never_pads_more_than_one_capacity():
     rng = np.random.default_rng(1)
     loads = rng.poisson(lam=rng.uniform(5, 40, size=8), size=(200, 8))
-    tiers, tier_of = optimal_tiers(loads, align=1, max_overflow=0.10)
-    assert len(tiers) <= 3
-    chosen = np.asarray([tiers[t] for t in tier_of])
-    pad = expected_padding(loads, chosen)[np.arange(8), np.arange(8)].sum()
-    over = expected_overflow(loads, chosen)[np.arange(8), np.arange(8)].sum()
-    assert over <= 0.10 * loads.sum(1).mean() + 1e-9
+    (shapes,), _ = optimal_shapes([loads], align=1, max_overflow=0.10, count=1)
+    pad, over = (x[:, 0].mean() for x in shape_costs(loads, shapes))
+    assert shapes.shape == (1, 8) and over <= 0.10 * loads.sum(1).mean() + 1e-9
     # the best single capacity meeting the same overflow budget pads at least as much
     for c in range(1, loads.max() + 1):
         if expected_overflow(loads, np.array([c])).sum() <= 0.10 * loads.sum(1).mean():
@@ -84,13 +82,47 @@ def test_optimal_tiers_never_worse_than_one_capacity():
             break
 
 
+def test_shapes_follow_the_routing_patterns():
+    """Chunks alternate between two patterns (a topic shift moves load between experts): one shape must pad
+    every chunk's quiet experts to the other pattern's size; two shapes fit both, and each chunk launches
+    its own."""
+    rng = np.random.default_rng(2)
+    pattern = np.array([[40, 8, 8, 8], [8, 8, 8, 40]])
+    loads = pattern[np.arange(300) % 2] + rng.integers(-2, 3, size=(300, 4))
+    padding = {}
+    for count in (1, 2):
+        (shapes,), lam = optimal_shapes([loads], align=1, max_overflow=0.10, count=count)
+        chosen = chosen_shapes(loads, shapes, lam)
+        pad, over = shape_costs(loads, shapes)
+        padding[count] = pad[np.arange(300), chosen].sum() / shapes.sum(axis=1)[chosen].sum()
+        assert over[np.arange(300), chosen].mean() <= 0.10 * loads.sum(1).mean() + 1e-9
+    assert padding[2] < 0.1 < padding[1]
+    assert len(set(chosen[::2])) == len(set(chosen[1::2])) == 1 and chosen[0] != chosen[1]
+
+
 def test_plan_respects_alignment_and_round_trips(model, profile, tmp_path):
     p = plan(model, profile, target="ane", residency="npu")
     for lp in p.layers.values():
-        assert all(t % 16 == 0 for t in lp.tiers)
+        assert all(c % 16 == 0 for g in lp.groups for shape in g.shapes for c in shape)
         grouped = sorted(e for g in lp.groups for e in g.experts)
         assert grouped == list(range(8))  # every expert in exactly one group
     assert Plan.load(p.save(tmp_path / "plan.json")).to_json() == p.to_json()
+
+
+def test_plan_with_capacity_tiers_still_loads(model, profile):
+    """Plans written before shapes held capacity tiers and one ``capacity`` per group (0: CPU-resident)."""
+    data = plan(model, profile, target="ane", residency="npu").to_json()
+    for lp in data["layers"].values():
+        lp |= {"tiers": [32, 16], "expert_tier": [0] * 8}
+        del lp["overflow_cost"]
+        for j, g in enumerate(lp["groups"]):
+            g["capacity"] = 32 * j
+            del g["shapes"]
+    old = Plan.from_json(data)
+    for lp in old.layers.values():
+        assert lp.overflow_cost == 1.0
+        assert [g.shapes for g in lp.groups] == [[] if j == 0 else [[32 * j] * len(g.experts)]
+                                                for j, g in enumerate(lp.groups)]
 
 
 def test_auto_residency_keeps_tiny_experts_off_the_npu(model, profile):
@@ -98,7 +130,7 @@ def test_auto_residency_keeps_tiny_experts_off_the_npu(model, profile):
     auto = plan(model, profile, target="htp", residency="auto")
     assert all(g.residency == "cpu" for lp in auto.layers.values() for g in lp.groups)
     forced = plan(model, profile, target="htp", residency="npu")
-    assert all(g.residency == "npu" and g.capacity > 0 for lp in forced.layers.values() for g in lp.groups)
+    assert all(g.residency == "npu" and g.shapes for lp in forced.layers.values() for g in lp.groups)
 
 
 def test_profile_from_another_model_is_refused(profile, tmp_path):

@@ -20,8 +20,8 @@ def outcomes(conformance_target):
 def test_every_check_passes_or_is_excused_with_a_reason(conformance_target, outcomes):
     failed = {c: o.detail for c, o in outcomes.items() if o.status == "failed"}
     assert not failed, failed
-    required = {"build", "graph.experts", "input.missing", "engine.prefill_decode", "artifacts.fresh_process",
-                "build.deterministic"}
+    required = {"build", "graph.experts", "graph.experts.capacities", "input.missing", "engine.prefill_decode",
+                "artifacts.fresh_process", "build.deterministic"}
     if conformance_target != "cpu":  # the CPU target keeps dense graphs as they are: its own reference
         required |= {"graph.attention", "input.wrong_shape"}
     claimed = registry.plugin(conformance_target).caps.ops - {"lut_linear"}  # lut_linear needs a packed checkpoint

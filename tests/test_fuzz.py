@@ -394,7 +394,7 @@ def fresh_path(root: Path, suffix: str) -> str:
 
 @fuzz(10)
 @given(data=st.data())
-@example(data=["plan", None, ["--max-tiers", "10000000000"]])  # hung: 10^10 rounds of an empty search
+@example(data=["plan", None, ["--graphs-per-layer", "10000000000"]])  # a shape per chunk at most, not 10^10
 @example(data=["plan", "\r", []])  # the path's line break split the one-line error in two
 def test_fuzzed_calibrate_and_plan_arguments(tiny, calibration_text, profile_path, tmp_path, capsys, data):
     """calibrate's --chunk; plan's numeric options; the --text/--profile path a random string sometimes.
@@ -410,7 +410,7 @@ def test_fuzzed_calibrate_and_plan_arguments(tiny, calibration_text, profile_pat
         profile = str(profile_path) if profile is None else profile
         argv = ["plan", "--model", str(tiny), "--profile", profile, "--target", "cpu",
                 "--out", fresh_path(tmp_path, ".json"),
-                *draw(options({"--max-tiers": NUMBERS, "--max-overflow": NUMBERS}), label="options")]
+                *draw(options({"--graphs-per-layer": NUMBERS, "--max-overflow": NUMBERS}), label="options")]
     assert_cli_contract(capsys, argv)
 
 

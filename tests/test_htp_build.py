@@ -52,7 +52,8 @@ def model():
 @pytest.fixture(scope="module")
 def htp_plan(model, tmp_path_factory):
     text = "".join(default_calibration_texts().values())[:1600]
-    p = plan(model, calibrate(model, [text], chunk=CHUNK), target="htp", residency="npu")
+    p = plan(model, calibrate(model, [text], chunk=CHUNK), target="htp", residency="npu",
+             graphs_per_layer=1)  # conformance builds several shapes per group; here one keeps the builds short
     p.save(tmp_path_factory.mktemp("plan") / "plan.json")
     return p
 

@@ -136,7 +136,7 @@ def test_qnn_library_notices_stay_off_stdout(tmp_path):
               "from npumoe.core.graphs import experts_graph\n"
               "from npumoe.backends.qualcomm_htp import HtpBackend\n"
               "m = npumoe.load()\n"
-              "HtpBackend().lower(experts_graph(m.spec, 0, (0,), 8, 'g'), m.weights, Path(sys.argv[1]))\n"
+              "HtpBackend().lower(experts_graph(m.spec, 0, (0,), (8,), 'g'), m.weights, Path(sys.argv[1]))\n"
               "print('done')\n")
     done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -3,6 +3,8 @@
 The independent truth is a per-token numpy loop: y_t = Σ_j w_tj · FFN_{e_tj}(z_t).
 """
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,8 @@ from hypothesis import strategies as st
 
 from npumoe.core.interpreter import TorchGraphExecutor
 from npumoe.core.graphs import experts_graph
-from npumoe.core.program import ExpertGroup
+from npumoe.core.plan import OVERFLOW_POLICIES
+from npumoe.core.program import ExpertGroup, StaticShape
 from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.moe import MoELayer
 from npumoe.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RopeSpec, RouterSpec
@@ -58,25 +61,43 @@ def scenarios(draw):
     bounds = [0, *cuts, experts]
     groups = []
     for j, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        cap = draw(st.sampled_from([0, 1, 2, 3, 5, 8, 16]))  # 0: CPU-resident, compact
-        groups.append(ExpertGroup(f"g{j}", tuple(order[a:b]), cap))
+        members = tuple(order[a:b])
+        shapes = draw(st.integers(0, 3))  # 0: CPU-resident, compact; else the runtime picks one per chunk
+        capacities = [tuple(draw(st.sampled_from([1, 2, 3, 5, 8, 16])) for _ in members) for _ in range(shapes)]
+        shapes = tuple(StaticShape(f"g{j}.p{v}", c) for v, c in enumerate(capacities))
+        groups.append(ExpertGroup(f"g{j}", members, shapes, draw(st.sampled_from([0.5, 1.0, 2.0]))))
     return experts, top_k, seq, groups, draw(st.integers(0, 2**16))
 
 
-def run(scenario, overflow):
+def run(scenario, overflow, device=None, chunks=0):
     experts, top_k, seq, groups, seed = scenario
     spec, moe, w = make_layer(experts, top_k, seed)
-    graphs = {g.graph: TorchGraphExecutor(experts_graph(spec, 0, g.experts, g.capacity, g.graph), w)
-              for g in groups if g.capacity}
-    cpu = {e: TorchGraphExecutor(experts_graph(spec, 0, (e,), 1, f"e{e}"), w) for e in range(experts)}
-    layer = MoELayer(0, moe, w, groups, cpu, overflow)
+    graphs = {s.graph: TorchGraphExecutor(experts_graph(spec, 0, g.experts, s.capacities, s.graph), w)
+              for g in groups for s in g.shapes}
+    cpu = {e: TorchGraphExecutor(experts_graph(spec, 0, (e,), (1,), f"e{e}"), w) for e in range(experts)}
+    layer = MoELayer(0, moe, w, groups, cpu, overflow, device)
     z = torch.randn(seq, H, generator=torch.Generator().manual_seed(seed + 1))
     attn_out = torch.randn(seq, H, generator=torch.Generator().manual_seed(seed + 2))
     seen = {}
     m = Metrics()
     y = layer(z, attn_out, seq, lambda name, x: graphs[name](x), m,
-              on_route=lambda i, e, wt, a: seen.update(experts=e.clone(), weights=wt.clone()))
-    return w, z, attn_out, y.numpy(), seen, m.counts, groups
+              on_route=lambda i, e, wt, a: seen.update(experts=e.clone(), weights=wt.clone()), chunks=chunks)
+    return w, z, attn_out, y.numpy(), seen, m.counts | {"seconds": m.seconds}, groups
+
+
+def launched_capacity(groups, experts) -> dict[int, int]:
+    """Each expert's slots in the chunk's launch: per static group, the shape with the least padding +
+    overflow_cost · overflow for this chunk's loads (the first such); 0 for CPU-resident experts."""
+    loads = np.bincount(experts.reshape(-1), minlength=max(e for g in groups for e in g.experts) + 1)
+    capacity = {}
+    for g in groups:
+        if not g.shapes:
+            capacity |= dict.fromkeys(g.experts, 0)
+            continue
+        costs = [sum(max(0, c - loads[e]) + g.overflow_cost * max(0, loads[e] - c)
+                     for e, c in zip(g.experts, s.capacities)) for s in g.shapes]
+        capacity |= dict(zip(g.experts, g.shapes[int(np.argmin(costs))].capacities))
+    return capacity
 
 
 PROPERTY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -93,11 +114,35 @@ def test_spill_computes_every_pair_exactly_once(scenario):
 
 
 @PROPERTY
+@given(scenarios(), st.integers(1, 4))
+def test_buffered_launches_compute_every_pair_exactly_once(scenario, chunks):
+    """A prompt's tokens dispatched at once, each group launched up to once per chunk on what waits per expert:
+    every routed pair runs once, in a launch or spilled, and the result is the per-token reference."""
+    w, z, _, y, seen, counts, groups = run(scenario, "spill", chunks=chunks)
+    expected = reference(w, z, seen["experts"].numpy(), seen["weights"].numpy())
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    assert counts["dropped"] == 0 and counts["routed"] == seen["experts"].numel()
+
+
+@PROPERTY
+@given(scenarios(), st.sampled_from(OVERFLOW_POLICIES))
+def test_npu_launches_beside_the_cpu_experts_change_nothing(scenario, overflow):
+    """The static launches on a worker thread while the CPU experts run give the serial result bit for bit; the
+    overlap is accounted whenever both ran (hidden ≤ beside)."""
+    _, _, _, serial, _, _, _ = run(scenario, overflow)
+    with ThreadPoolExecutor(1) as device:
+        _, _, _, overlapped, _, counts, _ = run(scenario, overflow, device)
+    np.testing.assert_array_equal(overlapped, serial)
+    seconds = counts["seconds"]
+    assert seconds.get("cpu_hidden", 0.0) <= seconds.get("cpu_beside_npu", 0.0)
+
+
+@PROPERTY
 @given(scenarios())
 def test_drop_accounts_for_every_slot_and_drops_lowest_saliency(scenario):
     w, z, attn_out, y, seen, counts, groups = run(scenario, "drop")
     experts, weights = seen["experts"].numpy(), seen["weights"].numpy()
-    capacity = {e: g.capacity for g in groups for e in g.experts}
+    capacity = launched_capacity(groups, experts)
     saliency = attn_out.norm(dim=-1).numpy()
     keep = np.ones_like(experts, dtype=bool)
     for e, cap in capacity.items():
@@ -121,7 +166,7 @@ def test_drop_accounts_for_every_slot_and_drops_lowest_saliency(scenario):
 def test_reroute_moves_overflow_to_experts_with_room(scenario):
     w, z, _, y, seen, counts, groups = run(scenario, "reroute")
     experts = seen["experts"].numpy()
-    capacity = {e: g.capacity for g in groups for e in g.experts}
+    capacity = launched_capacity(groups, experts)
     demand = {e: int((experts == e).sum()) for e in capacity}
     overflow = sum(max(0, demand[e] - c) for e, c in capacity.items() if c)
     # every overflowing slot was either moved or, with nowhere to go, dropped
@@ -136,9 +181,9 @@ def test_reroute_preserves_each_tokens_weight_sum():
     """Two experts, capacity 1 each, top-1: the second token must move to the other expert."""
     spec, moe, w = make_layer(2, 1, 0)
     w["layers.0.moe.router.weight"] = torch.tensor([[1.0] * H, [-1.0] * H])
-    groups = [ExpertGroup("g0", (0, 1), 1)]
-    graphs = {"g0": TorchGraphExecutor(experts_graph(spec, 0, (0, 1), 1, "g0"), w)}
-    cpu = {e: TorchGraphExecutor(experts_graph(spec, 0, (e,), 1, f"e{e}"), w) for e in range(2)}
+    groups = [ExpertGroup("g0", (0, 1), (StaticShape("g0", (1, 1)),))]
+    graphs = {"g0": TorchGraphExecutor(experts_graph(spec, 0, (0, 1), (1, 1), "g0"), w)}
+    cpu = {e: TorchGraphExecutor(experts_graph(spec, 0, (e,), (1,), f"e{e}"), w) for e in range(2)}
     layer = MoELayer(0, moe, w, groups, cpu, "reroute")
     z = torch.ones(2, H)  # both prefer expert 0
     m = Metrics()
@@ -180,7 +225,7 @@ def test_experts_run_side_by_side_equal_each_run_alone():
 
     model = npumoe.load(dtype="bfloat16")
     layer = model.spec.moe_layers[0]
-    executors = [TorchGraphExecutor(experts_graph(model.spec, layer, (e,), 2, f"e{e}"), model.weights)
+    executors = [TorchGraphExecutor(experts_graph(model.spec, layer, (e,), (2,), f"e{e}"), model.weights)
                  for e in range(4)]
     torch.manual_seed(0)
     inputs = [{"x": torch.randn(rows, model.spec.hidden_size)} for rows in (1, 2, 1, 3)]
@@ -189,7 +234,7 @@ def test_experts_run_side_by_side_equal_each_run_alone():
         assert torch.equal(got["y"], run(x)["y"])
         widened = TorchGraphExecutor(run.graph, {n: model.weights[n].float() for n in run.graph.weight_names()})
         torch.testing.assert_close(got["y"], widened(x)["y"], rtol=0, atol=1e-4)  # torch's fp32 ops: the truth
-    pair = TorchGraphExecutor(experts_graph(model.spec, layer, (0, 1), 2, "pair"), model.weights)  # more steps
+    pair = TorchGraphExecutor(experts_graph(model.spec, layer, (0, 1), (2, 2), "pair"), model.weights)  # more steps
     x = {"x": torch.randn(4, model.spec.hidden_size)}
     mixed = TorchGraphExecutor.run_many([executors[0], pair], [inputs[0], x])
     assert torch.equal(mixed[0]["y"], executors[0](inputs[0])["y"]) and torch.equal(mixed[1]["y"], pair(x)["y"])
@@ -207,7 +252,7 @@ def test_packed_experts_side_by_side_equal_each_linear_called_alone(tmp_path, mo
     quantize_checkpoint(DEMO_DIR, tmp_path / "q", bits=4, group=64, linears="all")
     model = npumoe.load(tmp_path / "q")
     layer = model.spec.moe_layers[0]
-    executors = [TorchGraphExecutor(experts_graph(model.spec, layer, (e,), 1, f"e{e}"), model.weights)
+    executors = [TorchGraphExecutor(experts_graph(model.spec, layer, (e,), (1,), f"e{e}"), model.weights)
                  for e in range(4)]
     torch.manual_seed(0)
     inputs = [{"x": torch.randn(1, model.spec.hidden_size)} for _ in executors]

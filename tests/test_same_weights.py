@@ -33,6 +33,7 @@ def built(tmp_path_factory):
     calibration, heldout = write_texts(folder, heldout_chars=1800)
     main(["build", "--targets", "htp,ane", "--precision", "int4", "--keep-onnx", "--text", str(calibration),
           "--heldout", str(heldout), "--chunk", "32", "--max-context", "512", "--residency", "npu",
+          "--graphs-per-layer", "1",  # the weights are the subject, not the shapes
           "--out", str(folder / "build")])
     return folder / "build"
 
@@ -80,20 +81,25 @@ def htp_codes(out) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 def ane_arrays(out, op_type: str) -> dict[str, dict[str, np.ndarray]]:
     """Expert weight (as a MIL name) → the arrays of its ``op_type`` constexpr in the experts packages, the
-    1×1-conv kernels' trailing dims dropped and a split weight's parts joined."""
+    1×1-conv kernels' trailing dims dropped and a split weight's parts joined. A group's shapes are functions
+    holding the same experts: each weight is read from the first function that has it."""
     from npumoe.backends.apple_ane.mil_exec import Package
 
     found = {}
     manifest = json.loads((out / "manifest.json").read_text())
-    for rel in {g["package"] for g in manifest["graphs"].values() if "experts" in g["package"]}:
+    for rel in sorted({g["package"] for g in manifest["graphs"].values() if "experts" in g["package"]}):
         package = Package(out / rel)
         for function in package.functions:
+            parts: dict[str, list] = {}
             for op in package.operations(function):
                 if op.type == op_type:
                     args = {k: np.asarray(package.value(a.arguments[0].value)) for k, a in op.inputs.items()}
                     kernel = op.outputs[0].name.split("_weight_conv")[0] + "_weight"
-                    found.setdefault(kernel, []).append({k: a.reshape(a.shape[:2] + a.shape[4:]) for k, a in args.items()})
-    return {k: {a: np.concatenate([p[a] for p in parts]) for a in parts[0]} for k, parts in found.items()}
+                    parts.setdefault(kernel, []).append({k: a.reshape(a.shape[:2] + a.shape[4:])
+                                                         for k, a in args.items()})
+            for kernel, pieces in parts.items():
+                found.setdefault(kernel, {a: np.concatenate([p[a] for p in pieces]) for a in pieces[0]})
+    return found
 
 
 def test_every_target_holds_the_same_int4_experts(built, cpu_checkpoint):
@@ -124,7 +130,7 @@ def test_ane_palettes_are_the_cpu_checkpoints_value_tables(precision, bits, tmp_
     model, fmt = npumoe.load(), mappings.NPU_PALETTES[bits]
     cpu = quantized_demo(tmp_path / "cpu", fmt)
     ane_plan = plan(model, calibrate(model, [corpus.calibration_texts(1)[0][:1500]], chunk=16), target="ane",
-                    residency="npu")
+                    residency="npu", graphs_per_layer=1)
     build(model, ane_plan, "ane", tmp_path / "ane", max_context=64, progress=False, precision=precision, layers={0})
     palettes = ane_arrays(tmp_path / "ane", "constexpr_lut_to_dense")
     layer0 = sorted(n for n in model.weights if n.startswith("layers.0.") and ".experts." in n)

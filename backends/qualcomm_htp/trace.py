@@ -60,7 +60,7 @@ def read_profile(path: Path) -> list[HtpRun]:
 def htp_executors(engine) -> list:
     from npumoe.backends.qualcomm_htp.executor import HtpExecutor
 
-    return [e for e in engine.executors.values() if isinstance(e, HtpExecutor) and e.profile_csv is not None]
+    return [e for e in engine.executors.resident() if isinstance(e, HtpExecutor) and e.profile_csv is not None]
 
 
 def graph_cycles(engine) -> dict[str, dict]:

@@ -2,7 +2,7 @@
 
 All index arithmetic is vectorised: a stable sort by expert gives every (token, expert)
 pair its rank within the expert; rank < capacity lands at a fixed row of one preallocated
-buffer that concatenates every static group's [G·C, H] slice; the rest overflow.
+buffer that concatenates each launch's [Σ C, H] slice; the rest overflow.
 """
 
 from __future__ import annotations
@@ -11,31 +11,38 @@ from dataclasses import dataclass
 
 import torch
 
-from npumoe.core.program import ExpertGroup
+from npumoe.core.program import ExpertGroup, StaticShape
 
 
 @dataclass
 class Layout:
-    """Where each expert's slots live in the concatenated buffer of a layer's static groups."""
+    """Where each expert's slots live in the concatenated buffer of the launches: a static shape of each
+    static group per chunk, or (buffered prefill) several launches of a group, an expert's slots then
+    spread over them in launch order."""
 
-    groups: list[ExpertGroup]
-    row_base: torch.Tensor  # [E] first row of expert e's slice (0 where it has none)
+    launches: list[tuple[ExpertGroup, StaticShape]]
+    slot_rows: torch.Tensor  # [Σ capacity] buffer row of each slot, expert by expert
+    slot_base: torch.Tensor  # [E] index of expert e's first slot in slot_rows
     capacity: torch.Tensor  # [E] static slots of expert e (0: not in a static group)
-    group_offsets: list[int]
+    offsets: list[int]  # first row of each launch
     rows: int
 
     @classmethod
-    def of(cls, groups: list[ExpertGroup], num_experts: int) -> Layout:
-        row_base = torch.zeros(num_experts, dtype=torch.long)
-        capacity = torch.zeros(num_experts, dtype=torch.long)
+    def of(cls, launches: list[tuple[ExpertGroup, StaticShape]], num_experts: int) -> Layout:
+        slots: list[list[torch.Tensor]] = [[] for _ in range(num_experts)]
         offsets, rows = [], 0
-        for grp in groups:
+        for group, shape in launches:
             offsets.append(rows)
-            for g, e in enumerate(grp.experts):
-                row_base[e] = rows + g * grp.capacity
-                capacity[e] = grp.capacity
-            rows += len(grp.experts) * grp.capacity
-        return cls(groups, row_base, capacity, offsets, rows)
+            for e, cap in zip(group.experts, shape.capacities):
+                slots[e].append(torch.arange(rows, rows + cap))
+                rows += cap
+        capacity = torch.tensor([sum(len(r) for r in s) for s in slots], dtype=torch.long)
+        slot_rows = torch.cat([r for s in slots for r in s]) if rows else torch.zeros(0, dtype=torch.long)
+        return cls(launches, slot_rows, torch.cumsum(capacity, 0) - capacity, capacity, offsets, rows)
+
+    def row(self, expert: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
+        """Buffer rows of expert[i]'s rank[i]-th slot (every rank below that expert's capacity)."""
+        return self.slot_rows[self.slot_base[expert] + rank]
 
 
 @dataclass
@@ -82,7 +89,8 @@ def assign(experts: torch.Tensor, weights: torch.Tensor, layout: Layout,
     rank[order] = torch.arange(expert.numel()) - starts[expert[order]]
     compact = skip[expert] if skip is not None else torch.zeros_like(expert, dtype=torch.bool)
     fits = (rank < layout.capacity[expert]) & ~compact
-    row = torch.where(fits, layout.row_base[expert] + rank, torch.zeros_like(rank))
+    row = torch.zeros_like(rank)
+    row[fits] = layout.row(expert[fits], rank[fits])
     return Dispatch(token, expert, weight, row, fits, compact)
 
 

@@ -8,12 +8,13 @@ names. Nothing here calls transformers.
 from __future__ import annotations
 
 import contextlib
+import functools
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 
 import numpy as np
 import torch
 
-from npumoe.core.backend import Executor
 from npumoe.core.graphs import experts_graph
 from npumoe.core.interpreter import TorchGraphExecutor
 from npumoe.core.program import Program, build_program
@@ -21,7 +22,9 @@ from npumoe.core.rope import cos_sin, short_context
 from npumoe.core.runtime.kvcache import KVCache, attention_mask
 from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.moe import MoELayer
+from npumoe.core.runtime.residency import ResidentExecutors
 from npumoe.core.spec import MoESpec
+from npumoe.core.weights import compute_bytes
 from npumoe.errors import InputError, NumericError
 from npumoe.luts.torch_op import torch_on_one_thread
 
@@ -35,13 +38,26 @@ class Engine:
 
     def __init__(self, model, plan=None, backend: str = "cpu", artifacts=None,
                  chunk: int | None = None, max_context: int | None = None, on_route=None,
-                 backend_options: dict | None = None):
+                 backend_options: dict | None = None, max_resident_bytes: int | None = None, predictor=None,
+                 preload: int | None = None, overlap: bool | None = None, buffering: bool = True):
         """``on_route(layer, experts[S,k], weights[S,k], attn_out[S,H])`` observes every routing
         decision (calibration and tests use it); it must not modify its arguments.
-        ``backend_options`` go to the backend's constructor (e.g. ``profile_dir`` for the HTP)."""
+        ``backend_options`` go to the backend's constructor (e.g. ``profile_dir`` for the HTP).
+        ``max_resident_bytes`` bounds the graphs loaded at once (:mod:`npumoe.core.runtime.residency`);
+        None loads every graph at start. At decode, a ``predictor`` (:class:`~npumoe.core.runtime.predictor.
+        RoutingPredictor`) names before each MoE layer's attention the ``preload`` experts (default: top-k) it
+        expects; their groups' graphs are prefetched, and ``predicted_hits`` / ``routed_experts`` count how often
+        it was right.
+        ``overlap`` runs a MoE layer's NPU launches on a worker thread while its CPU experts run; by default only
+        where they run on a device (``backend`` not cpu): here, NPU-placed graphs computed by the CPU would only
+        compete with the CPU experts for its cores. ``buffering``: a prompt longer than a chunk runs layer by layer,
+        each layer's routed tokens waiting per expert for full launches (static groups under spill only)."""
         self.model = model
         self.backend_options = dict(backend_options or {})
         self.on_route = on_route
+        self.predictor, self._predicted, self._routed = predictor, {}, {}
+        moe_layers = list(model.spec.moe_layers)
+        self._previous_moe = dict(zip(moe_layers[1:], moe_layers))  # whose routing the predictor may read
         self.spec = model.spec
         if artifacts is not None:
             from npumoe.core.artifacts import check_built_for, read_manifest
@@ -61,30 +77,39 @@ class Engine:
         if plan is not None:
             plan.check_model(model)
         self.program: Program = build_program(self.spec, chunk=chunk, max_context=max_context, plan=plan)
-        self.executors: dict[str, Executor] = self._load_executors(backend, artifacts)
-        self.cache = KVCache(self.program)
         self.metrics_ = Metrics()
+        self.executors = self._executors(backend, artifacts, max_resident_bytes)
+        self.cache = KVCache(self.program)
+        self.preload = preload or max((ls.ffn.top_k for ls in self.spec.layers if isinstance(ls.ffn, MoESpec)),
+                                      default=0)
+        npu_experts = any(g.kind == "experts" and g.placement == "npu" for g in self.program.graphs.values())
+        overlap = backend != "cpu" if overlap is None else overlap
+        self.device = ThreadPoolExecutor(1, thread_name_prefix="npumoe-npu") if overlap and npu_experts else None
         self.moe_layers = self._moe_layers()
+        self.buffering = buffering and npu_experts and any(
+            step.moe is not None and step.moe.overflow == "spill" for step in self.program.layers)
         self.embedding = model.weights["embed.weight"]  # once: in fp32 from a bf16 file, a converted copy
         self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.rope_limit = min(filter(None, (short_context(ls.attention.rope) for ls in self.spec.layers)), default=None)
 
     # -- set-up ---------------------------------------------------------------------------
-    def _load_executors(self, backend: str, artifacts) -> dict[str, Executor]:
-        weights = self.model.weights
-        execs: dict[str, Executor] = {
-            name: TorchGraphExecutor(g, weights) for name, g in self.program.graphs.items() if g.placement == "cpu"
-        }
-        npu = [g for g in self.program.graphs.values() if g.placement == "npu"]
-        if npu and backend == "cpu":
-            execs.update({g.name: TorchGraphExecutor(g, weights) for g in npu})
-        elif npu:
-            from npumoe.core.artifacts import load_executors
+    def _executors(self, backend: str, artifacts, budget: int | None) -> ResidentExecutors:
+        weights, graphs = self.model.weights, self.program.graphs
+        on_cpu = [g for g in graphs.values() if g.placement == "cpu" or backend == "cpu"]
+        loaders = {g.name: functools.partial(TorchGraphExecutor, g, weights) for g in on_cpu}
+        sizes = {g.name: compute_bytes(weights, g.weight_names()) for g in on_cpu}
+        if npu := [g for g in graphs.values() if g.name not in loaders]:
+            from npumoe.core.artifacts import executor_loaders
             from npumoe.core.backend import get_backend
 
-            execs.update(load_executors(get_backend(backend, **self.backend_options), artifacts, npu, weights,
-                                        self.model))
-        return execs
+            npu_loaders, npu_sizes = executor_loaders(get_backend(backend, **self.backend_options), artifacts, npu,
+                                                      weights, self.model)
+            loaders |= npu_loaders
+            sizes |= npu_sizes
+        executors = ResidentExecutors(loaders, sizes, budget, self.metrics_)
+        if budget is None:
+            executors.load_all()
+        return executors
 
     def _moe_layers(self) -> dict[tuple[int, int], MoELayer]:
         """Per MoE layer and sequence length, the host runtime with its any-size CPU experts
@@ -95,11 +120,12 @@ class Engine:
                 continue
             moe: MoESpec = self.spec.layers[i].ffn
             cpu_experts = {
-                e: TorchGraphExecutor(experts_graph(self.spec, i, (e,), 1, f"L{i}.cpu.e{e}"), self.model.weights)
+                e: TorchGraphExecutor(experts_graph(self.spec, i, (e,), (1,), f"L{i}.cpu.e{e}"), self.model.weights)
                 for e in range(moe.num_experts)
             }
             for s in self.program.seqs:
-                out[(i, s)] = MoELayer(i, moe, self.model.weights, step.moe.groups[s], cpu_experts, step.moe.overflow)
+                out[(i, s)] = MoELayer(i, moe, self.model.weights, step.moe.groups[s], cpu_experts, step.moe.overflow,
+                                       self.device)
         return out
 
     @property
@@ -199,6 +225,8 @@ class Engine:
 
     def _prefill(self, ids: torch.Tensor, keep: str = "all") -> torch.Tensor | None:
         """Logits of ``keep``: "all" positions, the "last" chunk's, or "none" (the LM head is skipped)."""
+        if self.buffering and len(ids) > self.program.chunk and self.cache.length == 0:
+            return self._prefill_buffered(ids, keep)
         chunk, rows = self.program.chunk, []
         for start in range(0, len(ids), chunk):
             piece = ids[start:start + chunk]
@@ -239,47 +267,119 @@ class Engine:
     def _step(self, ids: torch.Tensor, valid: int, lm_head: bool = True) -> torch.Tensor | None:
         """One static-shape pass over ``len(ids)`` positions, the first ``valid`` real; their logits
         unless ``lm_head`` is off."""
-        seq, start, spec, m = len(ids), self.cache.length, self.spec, self.metrics_
-        with m.time("embed"):
-            x = self.embedding[ids].float() * spec.embedding_scale
-        self._check_finite(x, valid, seq, "embedding")
+        start = self.cache.length
+        x = self._embed(ids, valid)
         masks: dict[tuple, torch.Tensor] = {}  # layers alike in window and cache slots share one mask
-        position = torch.tensor([start], dtype=torch.int32)
         for i, step in enumerate(self.program.layers):
-            att = spec.layers[i].attention
-            slots = self._cache_slots(step.attention[seq], start)
-            with m.time("rope_mask"):
-                cos, sin = self._rope_rows(att, start, seq)
-                key = (att.sliding_window, slots)
-                if key not in masks:
-                    masks[key] = attention_mask(att, start, seq, valid, slots)
-            with m.time("attention"):
-                feed = {"x": x, "cos": cos, "sin": sin, "mask": masks[key], "position": position}
-                if not self.executors[step.attention[seq]].keeps_state:
-                    feed |= {"k_cache": self.cache.k[i][:, :slots], "v_cache": self.cache.v[i][:, :slots]}
-                out = self._run(step.attention[seq], feed)
-            self.cache.append(i, out["k_new"], out["v_new"], valid)
-            h, z = out["h"], out["z"]
-            if step.moe is not None:
-                y = self.moe_layers[(i, seq)](z, h - x, valid, self._run, m, self.on_route)
+            h, z = self._attention(i, x, start, valid, masks)
+            y = self._feed_forward(i, z, h - x, valid)
+            x = self._residual(i, x, h, y, valid)
+        self.cache.length += valid
+        return self._lm_head(x, valid) if lm_head else None
+
+    def _prefill_buffered(self, ids: torch.Tensor, keep: str) -> torch.Tensor | None:
+        """A multi-chunk prompt layer by layer: every chunk's attention, then the layer's MoE on all of the
+        prompt's tokens at once, so that each expert's tokens wait for a full launch (expert-wise token
+        buffering, :meth:`MoELayer._buffered_layout`) instead of padding every chunk. Exact: attention at a
+        layer reads only that layer's cache, which the earlier chunks have written by then."""
+        chunk, m = self.program.chunk, self.metrics_
+        starts = list(range(0, len(ids), chunk))
+        valid = [min(chunk, len(ids) - s) for s in starts]
+        xs = [self._embed(torch.cat([ids[s:s + v], ids.new_zeros(chunk - v)]), v) for s, v in zip(starts, valid)]
+        masks: list[dict] = [{} for _ in starts]
+        for i, step in enumerate(self.program.layers):
+            hz = [self._attention(i, x, s, v, mk) for x, s, v, mk in zip(xs, starts, valid, masks)]
+            if step.moe is None:
+                ys = [self._feed_forward(i, z, h - x, v) for (h, z), x, v in zip(hz, xs, valid)]
+            else:
+                real = lambda parts: torch.cat([p[:v] for p, v in zip(parts, valid)])  # noqa: E731
+                y = self.moe_layers[(i, chunk)](real([z for _, z in hz]), real([h - x for (h, _), x in zip(hz, xs)]),
+                                                len(ids), self._run, m, self._route_observer(), len(starts))
+                ys = [torch.cat([part, part.new_zeros(chunk - len(part), part.shape[1])])
+                      for part in torch.split(y, valid)]
                 if step.moe.shared is not None:
                     with m.time("shared_ffn"):
-                        y = y + self._run(step.moe.shared[seq], {"z": z})["y"]
-            else:
-                with m.time("ffn"):
-                    y = self._run(step.dense[seq], {"z": z})["y"]
-            with m.time("residual"):
-                x = h + y
-            if not self._finite(x, valid):  # one check a layer; h (the attention's output) says which part
-                self._check_finite(h, valid, seq, "attention", i)
-                self._check_finite(x, valid, seq, "ffn", i)
-        self.cache.length += valid
-        if not lm_head:
-            return None
-        with m.time("lm_head"):
-            logits = self._run(self.program.lm_head[seq], {"x": x})["logits"]
-        self._check_finite(logits, valid, seq, "lm_head")
+                        ys = [y + self._run(step.moe.shared[chunk], {"z": z})["y"] for y, (_, z) in zip(ys, hz)]
+            xs = [self._residual(i, x, h, y, v) for x, (h, _), y, v in zip(xs, hz, ys, valid)]
+        self.cache.length = len(ids)
+        wanted = range(len(xs)) if keep == "all" else range(len(xs) - 1, len(xs)) if keep == "last" else ()
+        rows = [self._lm_head(xs[c], valid[c])[:valid[c]] for c in wanted]
+        return torch.cat(rows) if rows else None
+
+    def _embed(self, ids: torch.Tensor, valid: int) -> torch.Tensor:
+        with self.metrics_.time("embed"):
+            x = self.embedding[ids].float() * self.spec.embedding_scale
+        self._check_finite(x, valid, len(ids), "embedding")
+        return x
+
+    def _attention(self, i: int, x: torch.Tensor, start: int, valid: int,
+                   masks: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s attention graph on ``x`` (positions start..), its new keys and values written to the
+        cache; h (the residual after attention) and z (its normalised input to the feed-forward)."""
+        seq, m, step, att = len(x), self.metrics_, self.program.layers[i], self.spec.layers[i].attention
+        slots = self._cache_slots(step.attention[seq], start)
+        with m.time("rope_mask"):
+            cos, sin = self._rope_rows(att, start, seq)
+            key = (att.sliding_window, slots)
+            if key not in masks:
+                masks[key] = attention_mask(att, start, seq, valid, slots)
+        if step.moe is not None and self.predictor is not None and seq == 1:
+            self._prefetch(i, x, step.moe.groups[seq])
+        with m.time("attention"):
+            feed = {"x": x, "cos": cos, "sin": sin, "mask": masks[key],
+                    "position": torch.tensor([start], dtype=torch.int32)}
+            if not self.executors[step.attention[seq]].keeps_state:
+                feed |= {"k_cache": self.cache.k[i][:, :slots], "v_cache": self.cache.v[i][:, :slots]}
+            out = self._run(step.attention[seq], feed)
+        self.cache.write(i, out["k_new"], out["v_new"], start, valid)
+        return out["h"], out["z"]
+
+    def _feed_forward(self, i: int, z: torch.Tensor, attn_out: torch.Tensor, valid: int) -> torch.Tensor:
+        seq, m, step = len(z), self.metrics_, self.program.layers[i]
+        if step.moe is None:
+            with m.time("ffn"):
+                return self._run(step.dense[seq], {"z": z})["y"]
+        y = self.moe_layers[(i, seq)](z, attn_out, valid, self._run, m, self._route_observer())
+        if step.moe.shared is not None:
+            with m.time("shared_ffn"):
+                y = y + self._run(step.moe.shared[seq], {"z": z})["y"]
+        return y
+
+    def _route_observer(self):
+        return self._observe_route if self.predictor is not None else self.on_route
+
+    def _residual(self, i: int, x: torch.Tensor, h: torch.Tensor, y: torch.Tensor, valid: int) -> torch.Tensor:
+        with self.metrics_.time("residual"):
+            out = h + y
+        if not self._finite(out, valid):  # one check a layer; h (the attention's output) says which part
+            self._check_finite(h, valid, len(x), "attention", i)
+            self._check_finite(out, valid, len(x), "ffn", i)
+        return out
+
+    def _lm_head(self, x: torch.Tensor, valid: int) -> torch.Tensor:
+        with self.metrics_.time("lm_head"):
+            logits = self._run(self.program.lm_head[len(x)], {"x": x})["logits"]
+        self._check_finite(logits, valid, len(x), "lm_head")
         return logits
+
+    def _prefetch(self, layer: int, x: torch.Tensor, groups) -> None:
+        """Before the layer's attention: the predictor's experts, and their groups' graphs loaded now (on a
+        device, while the attention runs)."""
+        with self.metrics_.time("predict"):
+            previous = self._routed.get(self._previous_moe.get(layer))
+            experts = self.predictor.top(layer, x, self.preload, previous)
+        self._predicted[layer] = set(experts)
+        wanted = [shape.graph for g in groups if not self._predicted[layer].isdisjoint(g.experts) for shape in g.shapes]
+        self.executors.prefetch(wanted)
+
+    def _observe_route(self, layer, experts, weights, attn_out) -> None:
+        if layer in self._predicted:
+            routed = set(experts.reshape(-1).tolist())
+            self.metrics_.add("routed_experts", len(routed))
+            self.metrics_.add("predicted_hits", len(routed & self._predicted.pop(layer)))
+        self._routed[layer] = experts
+        if self.on_route is not None:
+            self.on_route(layer, experts, weights, attn_out)
 
     def _check_finite(self, x: torch.Tensor, valid: int, seq: int, part: str, layer: int | None = None) -> None:
         """Stop at the first graph whose output holds NaN or Inf, naming it: otherwise a non-finite weight
@@ -308,6 +408,8 @@ class Engine:
             return f"layer {layer}'s attention (graph {step.attention[seq]})"
         if step.moe is None:
             return f"layer {layer}'s feed-forward (graph {step.dense[seq]})"
-        graphs = [g.graph for g in step.moe.groups[seq]] + ([step.moe.shared[seq]] if step.moe.shared else [])
+        groups = step.moe.groups[seq]
+        graphs = [shape.graph for g in groups for shape in g.shapes] + [g.name for g in groups if not g.shapes] + (
+            [step.moe.shared[seq]] if step.moe.shared else [])
         more = f" and {len(graphs) - 3} more" if len(graphs) > 3 else ""
         return f"layer {layer}'s MoE feed-forward (router and graphs {', '.join(graphs[:3])}{more})"

@@ -28,11 +28,11 @@ class KVCache:
         for t in (*self.k, *self.v):
             t.zero_()
 
-    def append(self, i: int, k_new: torch.Tensor, v_new: torch.Tensor, valid: int) -> None:
-        """Write layer ``i``'s first ``valid`` new positions at the current length."""
-        end = self.length + valid
-        self.k[i][:, self.length:end] = k_new[:, :valid]
-        self.v[i][:, self.length:end] = v_new[:, :valid]
+    def write(self, i: int, k_new: torch.Tensor, v_new: torch.Tensor, start: int, valid: int) -> None:
+        """Write layer ``i``'s first ``valid`` new positions at slots start.. (the engine advances ``length``
+        once every layer has them)."""
+        self.k[i][:, start:start + valid] = k_new[:, :valid]
+        self.v[i][:, start:start + valid] = v_new[:, :valid]
 
 
 def attention_mask(att: AttentionSpec, start: int, seq: int, valid: int, capacity: int) -> torch.Tensor:

@@ -1,11 +1,14 @@
-"""Counters and per-op timers the engine keeps; ``Engine.metrics`` is a plain dict of them."""
+"""Counters and per-op timers the engine keeps; ``Engine.metrics`` is a plain dict of them. Updates take a lock:
+a MoE layer's NPU launches may run on a worker thread beside its CPU experts."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter, defaultdict
 
-COUNTS = ("routed", "padded", "spilled", "dropped", "rerouted", "npu_launches", "cpu_launches")
+COUNTS = ("routed", "padded", "spilled", "dropped", "rerouted", "npu_launches", "cpu_launches",
+          "executor_hits", "executor_misses", "prefetches", "prefetch_hits", "evictions")
 
 
 class Metrics:
@@ -14,15 +17,18 @@ class Metrics:
         self.seconds: dict[str, float] = defaultdict(float)
         self.spans: list[tuple[str, float, float]] | None = None  # set to [] to record a timeline (--trace)
         self.graph_runs: Counter[str] = Counter()  # calls per graph (CPU experts as L{layer}.cpu.e{expert})
+        self.lock = threading.Lock()
 
     def running(self, graphs: list[str]) -> _Timer:
         """``with metrics.running(graphs):`` counts a call of each graph and times it as ``executor`` (the rest
         of a step's time is host work)."""
-        self.graph_runs.update(graphs)
+        with self.lock:
+            self.graph_runs.update(graphs)
         return self.time("executor")
 
     def add(self, name: str, n: int = 1) -> None:
-        self.counts[name] = self.counts.get(name, 0) + int(n)
+        with self.lock:
+            self.counts[name] = self.counts.get(name, 0) + int(n)
 
     def time(self, op: str) -> _Timer:
         """``with metrics.time(op):`` adds the block's wall time to ``seconds[op]`` (and a span when recording)."""
@@ -49,6 +55,7 @@ class _Timer:
 
     def __exit__(self, *exc) -> None:
         end = time.perf_counter()
-        self.metrics.seconds[self.op] += end - self.start
-        if self.metrics.spans is not None:
-            self.metrics.spans.append((self.op, self.start, end))
+        with self.metrics.lock:
+            self.metrics.seconds[self.op] += end - self.start
+            if self.metrics.spans is not None:
+                self.metrics.spans.append((self.op, self.start, end))

@@ -11,11 +11,22 @@ Overflow policies (tokens past an expert's capacity in a static group):
 
 Experts of CPU-resident groups (the plan's cold experts) run on exactly their tokens,
 without padding: the CPU has no static-shape rule to pay for.
+
+A static group compiled in several shapes launches, per chunk, the shape that fits the chunk's
+routing best: the host knows every expert's load before it launches anything.
+
+With a ``device`` (one worker thread standing for the NPU's queue), the static groups' launches run
+there while the CPU computes the spilled tokens and CPU-resident experts; metrics count the CPU expert
+time spent beside NPU launches (``cpu_beside_npu``) and the part of it the NPU's time hid
+(``cpu_hidden``). Executors release the GIL while they compute (torch ops, ONNX Runtime, Core ML), so
+the two really run at once.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Executor as Worker
 
 import torch
 
@@ -32,22 +43,26 @@ class MoELayer:
     """Everything one MoE layer needs at run time, for one sequence length."""
 
     def __init__(self, layer: int, moe: MoESpec, weights, groups: list[ExpertGroup],
-                 expert_executors: Mapping[int, Callable], overflow: str = "spill"):
-        self.layer, self.moe, self.overflow = layer, moe, overflow
+                 expert_executors: Mapping[int, Callable], overflow: str = "spill", device: Worker | None = None):
+        self.layer, self.moe, self.overflow, self.device = layer, moe, overflow, device
         prefix = f"layers.{layer}.moe.router"
         self.router_weight = weights[f"{prefix}.weight"]
         self.router_bias = weights[f"{prefix}.bias"] if moe.router.bias else None
         self.correction = weights[f"{prefix}.correction_bias"] if moe.router.correction_bias else None
-        self.layout = Layout.of([g for g in groups if g.capacity], moe.num_experts)
+        self.static = [g for g in groups if g.shapes]
+        self._shape_capacities = [torch.tensor([s.capacities for s in g.shapes]) for g in self.static]  # [V, G]
+        self._layouts: dict[tuple[int, ...], Layout] = {}
         self.compact = torch.zeros(moe.num_experts, dtype=torch.bool)
         for g in groups:
-            if not g.capacity:
+            if not g.shapes:
                 self.compact[list(g.experts)] = True
         self.expert_executors = expert_executors
-        self._buffer: torch.Tensor | None = None
+        self._buffer = torch.empty(0, self.router_weight.shape[-1])  # grows to the largest launch set's rows
 
     def __call__(self, z: torch.Tensor, attn_out: torch.Tensor, valid: int, run: Run, m: Metrics,
-                 on_route=None) -> torch.Tensor:
+                 on_route=None, chunks: int = 0) -> torch.Tensor:
+        """y for the chunk ``z`` (its first ``valid`` rows real). With ``chunks``, ``z`` is a prompt's tokens at this
+        layer, that many chunks of them, and each static group launches on them as :meth:`_buffered_layout` says."""
         seq = z.shape[0]
         with m.time("router"):
             experts, gates, logits = route(z[:valid], self.moe.router, self.router_weight, self.router_bias,
@@ -58,20 +73,17 @@ class MoELayer:
         if valid == 1 and seq == 1 and bool(self.compact[experts[0]].all()):
             return self._decode_on_cpu(z, experts[0].tolist(), gates[0], m)
         with m.time("gather"):
+            layout = self._buffered_layout(experts, chunks) if chunks else self._layout(experts)
             saliency = attn_out[:valid].norm(dim=-1) if self.overflow == "drop" else None
-            d = assign(experts, gates, self.layout, order_key=saliency, skip=self.compact)
+            d = assign(experts, gates, layout, order_key=saliency, skip=self.compact)
             if self.overflow == "reroute" and d.overflow_static.any():
-                d = self._reroute(d, experts, logits, m)
+                d = self._reroute(d, layout, experts, logits, m)
         with m.time("pad"):
-            if self._buffer is None:
-                self._buffer = z.new_zeros(self.layout.rows, z.shape[1])
-            else:
-                self._buffer.zero_()
+            if self._buffer.shape[0] < layout.rows or self._buffer.dtype != z.dtype:
+                self._buffer = z.new_zeros(layout.rows, z.shape[1])
+            buf = self._buffer[:layout.rows].zero_()
         with m.time("gather"):
-            buf = gather(z, d, self._buffer)
-        y_buf = self._run_groups(buf, d, run, m)
-        with m.time("scatter"):
-            y = combine(y_buf, d, seq)
+            buf = gather(z, d, buf)
         overflow = d.overflow_static
         if self.overflow == "spill":
             m.add("spilled", int(overflow.sum()))
@@ -79,22 +91,87 @@ class MoELayer:
         else:  # drop, and reroute's pairs with nowhere to go
             m.add("dropped", int(overflow.sum()))
             cpu_pairs = d.compact
-        if cpu_pairs.any():
-            y += self._run_compact(z, d, cpu_pairs, m)
+        if not cpu_pairs.any():
+            y_cpu = None
+            y_buf = self._run_groups(buf, d, layout, run, m)
+        elif self.device is None or not layout.launches:
+            y_buf = self._run_groups(buf, d, layout, run, m)
+            y_cpu = self._run_compact(z, d, cpu_pairs, m)
+        else:
+            y_buf, y_cpu = self._overlapped(buf, z, d, layout, cpu_pairs, run, m)
+        with m.time("scatter"):
+            y = combine(y_buf, d, seq)
+        if y_cpu is not None:
+            y += y_cpu
         return y
 
-    def _run_groups(self, buf: torch.Tensor, d: Dispatch, run: Run, m: Metrics) -> torch.Tensor:
-        """Launch each static group that received at least one token; empty ones are skipped."""
-        used = torch.bincount(d.row[d.fits], minlength=max(self.layout.rows, 1))
-        y_buf = torch.empty_like(buf)  # rows of skipped groups are never read
+    def _overlapped(self, buf, z, d, layout, cpu_pairs, run: Run, m: Metrics):
+        """The static launches on the device worker while the CPU pairs run here; their outputs, and how much of
+        the CPU expert time the launches' time covered."""
+        def launch():
+            return self._run_groups(buf, d, layout, run, m), time.perf_counter()
+
+        npu_start = time.perf_counter()
+        launched = self.device.submit(launch)
+        cpu_start = time.perf_counter()
+        y_cpu = self._run_compact(z, d, cpu_pairs, m)
+        cpu_end = time.perf_counter()
+        y_buf, npu_end = launched.result()
+        with m.lock:
+            m.seconds["cpu_beside_npu"] += cpu_end - cpu_start
+            m.seconds["cpu_hidden"] += max(0.0, min(cpu_end, npu_end) - max(cpu_start, npu_start))
+        return y_buf, y_cpu
+
+    def _layout(self, experts: torch.Tensor) -> Layout:
+        """Each static group's best-fitting shape for this chunk's expert loads: the least padding +
+        overflow_cost · overflow (the cost the planner fitted the shapes to)."""
+        loads = torch.bincount(experts.reshape(-1), minlength=self.moe.num_experts)
+        choice = []
+        for group, caps in zip(self.static, self._shape_capacities):
+            if len(caps) == 1:
+                choice.append(0)
+                continue
+            excess = caps - loads[list(group.experts)]  # [V, G]
+            cost = excess.clamp(min=0).sum(1) + group.overflow_cost * (-excess).clamp(min=0).sum(1)
+            choice.append(int(cost.argmin()))
+        key = tuple(choice)
+        if key not in self._layouts:
+            self._layouts[key] = Layout.of([(g, g.shapes[v]) for g, v in zip(self.static, key)], self.moe.num_experts)
+        return self._layouts[key]
+
+    def _buffered_layout(self, experts: torch.Tensor, chunks: int) -> Layout:
+        """Expert-wise token buffering: a prompt's routed tokens wait per expert, and each static group launches
+        its best-fitting shape on what is waiting, again and again — at most once per chunk the prompt spans, as
+        chunk by chunk it would, and while a launch is at least half full (or, when overflow costs more than
+        padding, while its padding costs less than sending its tokens to the CPU). What is left spills. Launches
+        run full but for the last, where chunk by chunk every launch pads to its chunk's routing burstiness."""
+        loads = torch.bincount(experts.reshape(-1), minlength=self.moe.num_experts)
+        launches = []
+        for group, caps in zip(self.static, self._shape_capacities):
+            waiting, launched = loads[list(group.experts)], 0
+            while int(waiting.sum()) and launched < chunks:
+                excess = caps - waiting  # [V, G]
+                v = int((excess.clamp(min=0).sum(1) + group.overflow_cost * (-excess).clamp(min=0).sum(1)).argmin())
+                fill = int(torch.minimum(caps[v], waiting).sum())
+                if int(caps[v].sum()) - fill > max(1.0, group.overflow_cost) * fill:
+                    break
+                launches.append((group, group.shapes[v]))
+                waiting, launched = (waiting - caps[v]).clamp(min=0), launched + 1
+        return Layout.of(launches, self.moe.num_experts)
+
+    @staticmethod
+    def _run_groups(buf: torch.Tensor, d: Dispatch, layout: Layout, run: Run, m: Metrics) -> torch.Tensor:
+        """Launch each group's chosen shape if it received at least one token; empty ones are skipped."""
+        used = torch.bincount(d.row[d.fits], minlength=max(layout.rows, 1))
+        y_buf = torch.empty_like(buf)  # rows of skipped launches are never read
         with m.time("expert_ffn"):
-            for grp, offset in zip(self.layout.groups, self.layout.group_offsets):
-                rows = len(grp.experts) * grp.capacity
+            for (_, shape), offset in zip(layout.launches, layout.offsets):
+                rows = shape.rows
                 filled = int(used[offset:offset + rows].sum())
                 if filled == 0:
                     continue
                 m.add("padded", rows - filled)
-                y_buf[offset:offset + rows] = run(grp.graph, {"x": buf[offset:offset + rows]})["y"]
+                y_buf[offset:offset + rows] = run(shape.graph, {"x": buf[offset:offset + rows]})["y"]
         return y_buf
 
     def _decode_on_cpu(self, z: torch.Tensor, experts: list[int], gates: torch.Tensor, m: Metrics) -> torch.Tensor:
@@ -123,11 +200,12 @@ class MoELayer:
                 out.index_add_(0, d.token[pairs_e], result["y"] * d.weight[pairs_e, None])
         return out
 
-    def _reroute(self, d: Dispatch, experts: torch.Tensor, logits: torch.Tensor, m: Metrics) -> Dispatch:
+    def _reroute(self, d: Dispatch, layout: Layout, experts: torch.Tensor, logits: torch.Tensor,
+                 m: Metrics) -> Dispatch:
         """Move overflowing pairs to each token's next-best expert with a free static slot."""
         scores = all_scores(logits, self.moe.router)
         ranking = scores.argsort(dim=-1, descending=True)
-        free = self.layout.capacity - torch.bincount(d.expert[d.fits], minlength=self.moe.num_experts)
+        free = layout.capacity - torch.bincount(d.expert[d.fits], minlength=self.moe.num_experts)
         taken = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, experts, True)
         target = torch.zeros(experts.shape[0]).index_add_(0, d.token, d.weight)
         pending = d.overflow_static.nonzero().flatten()
@@ -144,7 +222,7 @@ class MoELayer:
             accept = rank < free[cand]
             moved, to = pend[accept], cand[accept]
             d.expert[moved] = to
-            d.row[moved] = self.layout.row_base[to] + (self.layout.capacity[to] - free[to]) + rank[accept]
+            d.row[moved] = layout.row(to, layout.capacity[to] - free[to] + rank[accept])
             d.fits[moved] = True
             d.weight[moved] = scores[d.token[moved], to]
             free -= torch.bincount(to, minlength=self.moe.num_experts)

@@ -35,7 +35,7 @@ def graph_weight_bytes(engine: Engine, name: str) -> int:
     graph = engine.program.graphs.get(name)
     if graph is None:  # a CPU expert: L{layer}.cpu.e{expert}
         layer, expert = name[1:].split(".cpu.e")
-        graph = experts_graph(engine.spec, int(layer), (int(expert),), 1, name)
+        graph = experts_graph(engine.spec, int(layer), (int(expert),), (1,), name)
     weights = engine.model.weights
     return sum(weights[w].nbytes for w in graph.weight_names())
 

@@ -4,9 +4,10 @@ Part 1 reproduces NPUMoE's Table 4 breakdown (router, gather, pad, expert FFN, s
 residual) for one MoE layer at Phi-3.5-MoE shapes, with the experts on the CPU, and
 reports host-op time over expert-FFN time (the paper measured 2.2).
 
-Part 2 runs the demo model over held-out text under three plans — NPUMoE's single
-capacity and its tiers (both dropping overflow, as the paper does) and our optimiser
-(spilling) — and reports measured padding, drops and the NPU's share of routed slots.
+Part 2 runs the demo model over held-out text under four plans — NPUMoE's single
+capacity and its tiers (both dropping overflow, as the paper does), and our optimiser
+(spilling) with one compiled shape per expert group and with its default several —
+and reports measured padding, drops, the NPU's share of routed slots and NPU graphs per layer.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ from rich.table import Table
 from npumoe.core.calibrate import RoutingProfile, calibrate
 from npumoe.core.graphs import experts_graph
 from npumoe.core.interpreter import TorchGraphExecutor
-from npumoe.core.plan import optimal_tiers, plan
-from npumoe.core.program import ExpertGroup
+from npumoe.core.plan import optimal_shapes, plan
+from npumoe.core.program import ExpertGroup, StaticShape
 from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.moe import MoELayer
+from npumoe.core.weights import compute_bytes
 from npumoe.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RopeSpec, RouterSpec
 
 HOST_OPS = ("router", "gather", "pad", "scatter", "residual")
@@ -61,14 +63,12 @@ def host_breakdown(chunk: int, repeats: int, **shapes) -> dict:
     router = weights["layers.0.moe.router.weight"]
     loads = np.stack([torch.bincount(torch.topk(z @ router.T, moe.top_k).indices.flatten(),
                                      minlength=moe.num_experts).numpy() for z in samples])
-    tiers, tier_of = optimal_tiers(loads, 1, max_overflow=0.0)
-    groups = [ExpertGroup(f"g{t}", tuple(e for e in range(moe.num_experts) if tier_of[e] == t), c)
-              for t, c in enumerate(tiers)]
-    graphs = {g.graph: TorchGraphExecutor(experts_graph(spec, 0, g.experts, g.capacity, g.graph), weights)
-              for g in groups}
-    cpu_experts = {e: TorchGraphExecutor(experts_graph(spec, 0, (e,), 1, f"e{e}"), weights)
+    (shapes,), _ = optimal_shapes([loads], 1, max_overflow=0.0, count=1)
+    group = ExpertGroup("g0", tuple(range(moe.num_experts)), (StaticShape("g0.p0", tuple(shapes[0])),))
+    graphs = {"g0.p0": TorchGraphExecutor(experts_graph(spec, 0, group.experts, tuple(shapes[0]), "g0.p0"), weights)}
+    cpu_experts = {e: TorchGraphExecutor(experts_graph(spec, 0, (e,), (1,), f"e{e}"), weights)
                    for e in range(moe.num_experts)}
-    layer = MoELayer(0, moe, weights, groups, cpu_experts, "spill")
+    layer = MoELayer(0, moe, weights, [group], cpu_experts, "spill")
     m = Metrics()
     run = lambda name, inputs: graphs[name](inputs)  # noqa: E731
     with torch.inference_mode():
@@ -82,7 +82,7 @@ def host_breakdown(chunk: int, repeats: int, **shapes) -> dict:
     seconds = {k: v / repeats for k, v in m.seconds.items()}
     seconds["expert_ffn"] = seconds.get("expert_ffn", 0.0) + seconds.pop("cpu_expert_ffn", 0.0)
     host = sum(seconds.get(k, 0.0) for k in HOST_OPS)
-    return {"seconds": seconds, "host_over_ffn": host / seconds["expert_ffn"], "tiers": tiers}
+    return {"seconds": seconds, "host_over_ffn": host / seconds["expert_ffn"], "capacities": shapes[0].tolist()}
 
 
 DEMO_TEXTS, DEMO_TEXT_BYTES = 24, 4096  # ~96 K tokens each side: minutes on 2 cores, hundreds of chunks
@@ -98,33 +98,89 @@ def demo_texts() -> tuple[list[str], list[str]]:
 
 
 def plan_figures(model, calib: RoutingProfile, heldout: list[str], chunk: int, target: str) -> dict:
-    """Measured (not predicted) padding / drops / NPU share on held-out text, per planning method."""
+    """Measured (not predicted) padding / drops / NPU share / expert launches on held-out text, per planning
+    method, chunk by chunk and (the default) with expert-wise token buffering across a prompt's chunks."""
     from npumoe.core.runtime.engine import Engine
 
-    ids = [model.tokenizer.encode(t) for t in heldout]
-    windows = [t[s:s + 4 * chunk] for t in ids for s in range(0, len(t) - chunk + 1, 4 * chunk)]
-    out, experts = {}, model.spec.layers[model.spec.moe_layers[0]].ffn.num_experts
-    settings = {  # name → plan() arguments
-        "uniform+drop": dict(method="uniform", overflow="drop"),
-        "paper+drop": dict(method="paper", overflow="drop"),
-        "optimal+spill": dict(method="optimal", overflow="spill"),
-        "optimal+spill, 20 % budget, per-expert tiers": dict(method="optimal", overflow="spill", max_overflow=0.2,
-                                                              max_tiers=experts),
+    windows = _windows(model, heldout, chunk)
+    out = {}
+    settings = {  # name → plan() arguments, Engine() arguments
+        "uniform+drop": (dict(method="uniform", overflow="drop"), {}),
+        "paper+drop": (dict(method="paper", overflow="drop"), {}),
+        "optimal+spill, 1 shape": (dict(method="optimal", overflow="spill", graphs_per_layer=1), dict(buffering=False)),
+        "optimal+spill": (dict(method="optimal", overflow="spill"), dict(buffering=False)),
+        "optimal+spill, buffered": (dict(method="optimal", overflow="spill"), {}),
     }
-    for name, kwargs in settings.items():
-        p = plan(model, calib, target=target, residency="npu", **kwargs)
-        eng = Engine(model, plan=p, max_context=4 * chunk)
+    for name, (plan_kwargs, engine_kwargs) in settings.items():
+        p = plan(model, calib, target=target, residency="npu", **plan_kwargs)
+        eng = Engine(model, plan=p, max_context=4 * chunk, **engine_kwargs)
         for w in windows:
-            eng.forward(np.asarray(w[: len(w) // chunk * chunk]))
+            eng.forward(np.asarray(w))
         m = eng.metrics
         npu_slots = m["routed"] - m["spilled"] - m["dropped"] + m["padded"]
+        launches = sum(n for g, n in eng.metrics_.graph_runs.items()
+                       if g in eng.program.graphs and eng.program.graphs[g].kind == "experts")
         out[name] = {
+            "npu_graphs_per_layer": max(sum(len(g.shapes) for g in lp.groups) for lp in p.layers.values()),
+            "launches_per_1k": 1000 * launches / sum(len(w) for w in windows),
             "padded_pct": 100 * m["padded"] / max(npu_slots, 1),
             "dropped_pct": 100 * m["dropped"] / m["routed"],
             "spilled_pct": 100 * m["spilled"] / m["routed"],
             "npu_share_pct": 100 * (m["routed"] - m["spilled"] - m["dropped"]) / m["routed"],
         }
     return out
+
+
+class ModelledLatency:
+    """An NPU graph's executor whose calls take the device's modelled time (the cost model's launch + roofline),
+    never less than this CPU needs to compute the result it returns: a stand-in NPU whose time is labelled."""
+
+    def __init__(self, inner, seconds: float):
+        self.inner, self.seconds, self.keeps_state = inner, seconds, getattr(inner, "keeps_state", False)
+
+    def __call__(self, inputs):
+        start = time.perf_counter()
+        out = self.inner(inputs)
+        time.sleep(max(0.0, self.seconds - (time.perf_counter() - start)))
+        return out
+
+
+def overlap_figures(model, calib: RoutingProfile, heldout: list[str], chunk: int) -> dict:
+    """CPU experts (spilled tokens) beside the NPU launches on held-out text: serial, overlapped with the NPU groups
+    on a CPU worker thread (measured), and overlapped with them at a Snapdragon 8 Gen 3's modelled time."""
+    from npumoe.core.costmodel import DEVICES, launch_seconds
+    from npumoe.core.runtime.engine import Engine
+
+    device = next(d for d in DEVICES if d.npu == "htp")
+    p = plan(model, calib, target="htp", residency="npu")
+    windows = _windows(model, heldout, chunk)
+    out, threads = {}, torch.get_num_threads()
+    torch.set_num_threads(1)  # the main thread and the stand-in NPU's worker, a core each
+    for name in ("serial", "overlapped", "overlapped, modelled NPU"):
+        eng = Engine(model, plan=p, max_context=4 * chunk, overlap=name != "serial")
+        for g in eng.program.graphs.values():
+            if name.endswith("modelled NPU") and g.kind == "experts" and g.placement == "npu":
+                params = compute_bytes(model.weights, g.weight_names()) / model.weights.dtype.itemsize
+                eng.executors[g.name] = ModelledLatency(eng.executors[g.name], launch_seconds(
+                    device, 2 * params / len(g.meta["experts"]) * g.inputs["x"].shape[0], 2 * params))
+        start = time.perf_counter()
+        for w in windows:
+            eng.forward(np.asarray(w))
+        s = eng.metrics["seconds"]
+        beside = s.get("cpu_beside_npu", 0.0)
+        out[name] = {"seconds": time.perf_counter() - start, "cpu_expert_s": s.get("cpu_expert_ffn", 0.0),
+                     "npu_expert_s": s.get("expert_ffn", 0.0),
+                     "hidden_pct": 100 * s.get("cpu_hidden", 0.0) / beside if beside else 0.0}
+    torch.set_num_threads(threads)
+    out["device"] = device.name
+    return out
+
+
+def _windows(model, texts: list[str], chunk: int) -> list[list[int]]:
+    """Up to four chunks of each held-out text, whole chunks only."""
+    ids = [model.tokenizer.encode(t) for t in texts]
+    windows = [t[s:s + 4 * chunk] for t in ids for s in range(0, len(t) - chunk + 1, 4 * chunk)]
+    return [w[: len(w) // chunk * chunk] for w in windows]
 
 
 @click.command("runtime")
@@ -149,7 +205,8 @@ def bench_runtime_command(repeats, chunk, small, skip_demo, as_json):
         calib_texts, heldout = demo_texts()
         calib = calibrate(model, calib_texts, chunk=chunk)
         result["demo"] = {t: plan_figures(model, calib, heldout, chunk, t) for t in ("htp", "ane")}
-        ours = result["demo"]["htp"]["optimal+spill"]
+        result["overlap"] = overlap_figures(model, calib, heldout, chunk)
+        ours = result["demo"]["htp"]["optimal+spill, buffered"]
         result.update(dropped_pct=ours["dropped_pct"], padded_pct=ours["padded_pct"],
                       npu_share_pct=ours["npu_share_pct"])
     result["bench_seconds"] = time.perf_counter() - start
@@ -164,8 +221,32 @@ def bench_runtime_command(repeats, chunk, small, skip_demo, as_json):
     console.print(table)
     console.print(f"host ops / expert FFN = [bold]{breakdown['host_over_ffn']:.4f}[/bold] (NPUMoE Table 4: 2.2; goal ≤ 0.05)")
     for target, figures in result.get("demo", {}).items():
-        t = Table("plan", "padded % of NPU slots", "dropped %", "spilled %", "NPU share %",
-                  title=f"demo model, held-out text, chunk {chunk}, target {target}, every group on the NPU")
+        t = Table("plan", "graphs", "padded %", "dropped %", "spilled %", "NPU share %", "launches",
+                  title=f"demo model, held-out text, chunk {chunk}, target {target}, every group on the NPU",
+                  caption="graphs: NPU expert graphs per layer and sequence length; padded: % of NPU slots; "
+                          "dropped, spilled, NPU share: % of routed token-slots; launches: expert-group launches "
+                          "per 1,000 tokens (all layers); buffered: a prompt's tokens wait per expert for full "
+                          "launches across its chunks", caption_justify="left")
+        t.columns[0].no_wrap = True
         for name, f in figures.items():
-            t.add_row(name, *(f"{f[k]:.1f}" for k in ("padded_pct", "dropped_pct", "spilled_pct", "npu_share_pct")))
+            t.add_row(name, str(f["npu_graphs_per_layer"]),
+                      *(f"{f[k]:.1f}" for k in ("padded_pct", "dropped_pct", "spilled_pct", "npu_share_pct")),
+                      f"{f['launches_per_1k']:.0f}")
         console.print(t)
+    if "overlap" in result:
+        render_overlap(result["overlap"], console)
+
+
+def render_overlap(figures: dict, console: Console) -> None:
+    t = Table("run", "wall s", "CPU experts s", "NPU groups s", "CPU time hidden %",
+              title="spilled tokens' CPU experts beside the NPU launches (demo, held-out text, optimal+spill)",
+              caption="The NPU groups run on a CPU worker thread (no NPU here), torch on one thread in each: the "
+                      "stand-in NPU competes with the CPU experts for the GIL and memory, so wall time does not fall "
+                      f"here as it would beside a device. 'modelled NPU': each NPU expert graph takes "
+                      f"{figures['device']}'s modelled time (cost model), never less than this CPU needs to compute "
+                      "it.", caption_justify="left")
+    for name, f in figures.items():
+        if name != "device":
+            t.add_row(name, f"{f['seconds']:.2f}", f"{f['cpu_expert_s']:.2f}", f"{f['npu_expert_s']:.2f}",
+                      f"{f['hidden_pct']:.0f}")
+    console.print(t)

@@ -20,7 +20,7 @@ from npumoe.commands.plan import read_texts
 from npumoe.core.artifacts import build
 from npumoe.core.calibrate import default_calibration_texts
 from npumoe.core.outputs import claim
-from npumoe.core.plan import RESIDENCY, Plan
+from npumoe.core.plan import GRAPHS_PER_LAYER, RESIDENCY, Plan
 from npumoe.core.targets import TARGETS, build_targets
 from npumoe.errors import InputError
 from npumoe.models.loader import load
@@ -42,6 +42,9 @@ from npumoe.models.loader import load
               help="--targets: prefill chunk size the graphs are built for.")
 @click.option("--residency", type=click.Choice(RESIDENCY), default="auto", show_default=True,
               help="--targets: expert groups on the NPU where a launch pays (auto), or all (npu) / none (cpu).")
+@click.option("--graphs-per-layer", default=GRAPHS_PER_LAYER, show_default=True, type=click.IntRange(1),
+              help="--targets: compiled expert graphs per layer, shared by its groups (more shapes to fit each "
+                   "chunk's routing: less padding, longer builds).")
 @click.option("--plan", "plan_path", default=None, type=click.Path(), help="One target: a plan from npumoe plan.")
 @target_option(None, "One target: where the artifacts will run.", npu_only=True, required=False)
 @click.option("--out", required=True, type=click.Path(), help="Artifact directory (replaced only when complete).")
@@ -53,8 +56,8 @@ from npumoe.models.loader import load
               help="Compile this many units (graphs; ANE: packages) at once, each in its own process: faster on a "
                    "machine with cores and memory to spare (each holds one unit's weights while it compiles).")
 @build_options
-def build_command(model_dir, dtype, targets, text_files, heldout_file, chunk, residency, plan_path, target, out,
-                  max_context, layers, jobs, **options):
+def build_command(model_dir, dtype, targets, text_files, heldout_file, chunk, residency, graphs_per_layer, plan_path,
+                  target, out, max_context, layers, jobs, **options):
     """Compile a model's NPU graphs: every target from one spec (--targets), or one planned target.
 
     \b
@@ -66,8 +69,8 @@ def build_command(model_dir, dtype, targets, text_files, heldout_file, chunk, re
     if targets is not None:
         if plan_path or target or layers:
             raise InputError("--targets calibrates and plans for you: give it without --plan, --target or --layers.")
-        return build_every_target(model_dir, dtype, targets, text_files, heldout_file, chunk, residency, out,
-                                  max_context, options)
+        return build_every_target(model_dir, dtype, targets, text_files, heldout_file, chunk, residency,
+                                  graphs_per_layer, out, max_context, options)
     if not (plan_path and target):
         raise InputError("give --targets htp,ane (every target from one calibration), or --plan and --target.")
     model = load(model_dir, dtype=dtype)
@@ -85,8 +88,8 @@ def build_command(model_dir, dtype, targets, text_files, heldout_file, chunk, re
                f"{len(manifest['files'])} files, {total / 1e6:.1f} MB, manifest.json")
 
 
-def build_every_target(model_dir, dtype, targets, text_files, heldout_file, chunk, residency, out, max_context,
-                       options) -> None:
+def build_every_target(model_dir, dtype, targets, text_files, heldout_file, chunk, residency, graphs_per_layer, out,
+                       max_context, options) -> None:
     names = [t.strip() for t in targets.split(",") if t.strip()]
     per_target = options_per_target(names, options)
     claim(out, TARGETS)
@@ -98,6 +101,7 @@ def build_every_target(model_dir, dtype, targets, text_files, heldout_file, chun
     console = Console()
     manifest = build_targets(model, names, texts, model.tokenizer.encode(heldout), out, chunk=chunk,
                              max_context=max_context, residency=residency, options=per_target,
+                             graphs_per_layer=graphs_per_layer,
                              report=lambda line: console.print(f"[dim]{line}[/dim]"))
     table = Table("target", "cosine", "top-1 %", "greedy", "ppl (ref)", "padded %", "spilled %", "NPU launches/chunk",
                   title=f"{model.name}: every target against the fp32 reference, {manifest['heldout_tokens']} "

@@ -46,10 +46,13 @@ def prompt_ids(model, prompt: str | None, ids: str | None) -> list[int]:
 @click.option("--plan", "plan_path", default=None, type=click.Path(), help="Run under a plan (npumoe plan --out).")
 @target_option("cpu", "Where NPU-placed graphs run; an NPU target needs --artifacts from npumoe build.")
 @click.option("--artifacts", default=None, type=click.Path(), help="Artifact directory from npumoe build.")
+@click.option("--max-resident-mb", default=None, type=click.FloatRange(0),
+              help="Keep at most this many MB of graphs loaded (least recently used evicted first); before each MoE "
+                   "layer's attention, its router prefetches the experts it expects. Default: load every graph.")
 @click.option("--trace", "trace_path", default=None, type=click.Path(),
               help="Write a Chrome trace of host steps (and, for htp, the HTP's per-graph profile) here.")
 def generate_command(model_dir, dtype, prompt, ids, max_new_tokens, chunk, max_context, plan_path, target, artifacts,
-                     trace_path):
+                     max_resident_mb, trace_path):
     """Greedy-generate a continuation, through npumoe's own graphs and host runtime.
 
     \b
@@ -58,6 +61,7 @@ def generate_command(model_dir, dtype, prompt, ids, max_new_tokens, chunk, max_c
       npumoe generate --target htp --artifacts build/htp --trace trace.json
     """
     from npumoe.core.plan import Plan
+    from npumoe.core.runtime.predictor import RoutingPredictor
 
     if trace_path:
         from npumoe.backends.qualcomm_htp.trace import TRACE
@@ -67,8 +71,10 @@ def generate_command(model_dir, dtype, prompt, ids, max_new_tokens, chunk, max_c
     tokens = prompt_ids(model, prompt, ids)
     plan = Plan.load(plan_path) if plan_path else None
     profile = {"profile_dir": trace_profile_dir(trace_path)} if trace_path and target == "htp" else None
+    budget = {} if max_resident_mb is None else {"max_resident_bytes": int(max_resident_mb * 1e6),
+                                                 "predictor": RoutingPredictor(model)}
     eng = Engine(model, plan=plan, backend=target, artifacts=artifacts, chunk=chunk, max_context=max_context,
-                 backend_options=profile)
+                 backend_options=profile, **budget)
     if trace_path:
         eng.metrics_.spans = []
     start = time.perf_counter()
@@ -81,6 +87,13 @@ def generate_command(model_dir, dtype, prompt, ids, max_new_tokens, chunk, max_c
     decode = f", decode {timed['decode'] / steps:.3g} s/token ({steps / timed['decode']:.3g} tok/s)" if steps else ""
     click.echo(f"[{len(tokens)} prompt + {len(new)} new tokens in {seconds:.2f} s: prefill {timed['prefill']:.3g} s "
                f"({len(tokens) / timed['prefill']:.3g} tok/s){decode}]", err=True)
+    if budget:
+        m = eng.metrics
+        asked = m["executor_hits"] + m["executor_misses"]
+        click.echo(f"[graphs within {max_resident_mb:g} MB: {m['executor_misses']} loads on demand, {m['prefetches']} "
+                   f"prefetched, {m['evictions']} evicted, {100 * m['executor_hits'] / max(asked, 1):.0f} % of calls "
+                   f"found their graph loaded; the router one attention early named {m['predicted_hits']} of "
+                   f"{m['routed_experts']} routed experts]", err=True)
     if trace_path:
         from npumoe.backends.qualcomm_htp.trace import write_trace
 
@@ -103,16 +116,17 @@ def routing_table(spec, recorder: LoadRecorder) -> Table:
 
 
 def plan_table(model, profile, targets=("cpu", "htp", "ane")) -> Table:
-    """One plan per target from the same profile: tiers, groups and what the planner predicts."""
+    """One plan per target from the same profile: shapes, groups and what the planner predicts."""
     from npumoe.core.plan import plan
 
-    table = Table("target", "capacity tiers (first MoE layer)", "groups", "on NPU", "padded %", "overflow %",
+    table = Table("target", "rows per shape (first MoE layer)", "groups", "on NPU", "padded %", "overflow %",
                   title=f"plans from one routing profile (chunk {profile.chunk}, overflow spill, residency auto)")
     for target in targets:
         p = plan(model, profile, target=target)
         first = p.layers[min(p.layers)]
         groups = [g for lp in p.layers.values() for g in lp.groups]
-        table.add_row(target, str(first.tiers), str(len(groups)), str(sum(g.residency == "npu" for g in groups)),
+        rows = ", ".join("/".join(str(sum(s)) for s in g.shapes) for g in first.groups if g.shapes) or "- (CPU)"
+        table.add_row(target, rows, str(len(groups)), str(sum(g.residency == "npu" for g in groups)),
                       f"{p.predicted['padded_pct']:.1f}", f"{p.predicted['overflow_pct']:.1f}")
     return table
 
@@ -133,7 +147,7 @@ def demo_command(prompt, max_new_tokens, calibration_texts, out):
     Steps:
       1. generate from --prompt on the fp32 reference path, with per-layer routing counts;
       2. calibrate expert loads on training-split text in 64-token prefill chunks;
-      3. plan capacity tiers, expert groups and residency for cpu, htp and ane;
+      3. plan expert groups, their capacity shapes and residency for cpu, htp and ane;
       4. prefill held-out text with every expert group forced onto static NPU-shaped buffers
          (the htp plan, overflow spilled to the CPU path) and compare logits and generated
          tokens with the reference;

@@ -11,7 +11,7 @@ from npumoe.core.backend import capabilities
 from npumoe.core.calibrate import PROFILE, RoutingProfile, calibrate, default_calibration_texts, overlap_at_k
 from npumoe.core.io import existing_file
 from npumoe.core.outputs import claim
-from npumoe.core.plan import MAX_TIERS, METHODS, OVERFLOW_POLICIES, PLAN, RESIDENCY, plan
+from npumoe.core.plan import GRAPHS_PER_LAYER, METHODS, OVERFLOW_POLICIES, PLAN, RESIDENCY, plan
 from npumoe.errors import InputError
 from npumoe.models.loader import load
 
@@ -97,15 +97,18 @@ def print_overlap(console: Console, a: RoutingProfile, b: RoutingProfile) -> Non
 @click.option("--residency", type=click.Choice(RESIDENCY), default="auto", show_default=True,
               help="auto: NPU only where a launch pays for itself; npu/cpu: force every group.")
 @click.option("--method", type=click.Choice(METHODS), default="optimal", show_default=True,
-              help="Capacity tiers: optimal (ours), paper (NPUMoE tiers), uniform (one capacity).")
+              help="Capacities: optimal (ours: per-expert, several shapes fitted to routing patterns), paper "
+                   "(NPUMoE's tiers), uniform (one capacity).")
 @click.option("--max-overflow", default=0.10, show_default=True, type=click.FloatRange(0, 1),
               help="Budget of routed slots allowed past capacity (optimal method).")
-@click.option("--max-tiers", default=MAX_TIERS, show_default=True, type=click.IntRange(1),
-              help="Distinct capacities per layer (optimal method); each is at least one more graph.")
+@click.option("--graphs-per-layer", default=GRAPHS_PER_LAYER, show_default=True, type=click.IntRange(1),
+              help="Compiled NPU expert graphs per layer (optimal method), shared by its groups: each group gets "
+                   "several shapes when it can, and the runtime launches the one that fits a chunk's routing.")
 @click.option("--out", default="plan.json", show_default=True, type=click.Path())
-@click.option("--plot", type=click.Path(), default=None, help="Also draw tiers, groups and residency to a PNG.")
-def plan_command(model_dir, profile_path, target, overflow, residency, method, max_overflow, max_tiers, out, plot):
-    """Plan static shapes for a target: capacity tiers, expert groups, residency, overflow.
+@click.option("--plot", type=click.Path(), default=None, help="Also draw capacities, groups and residency to a PNG.")
+def plan_command(model_dir, profile_path, target, overflow, residency, method, max_overflow, graphs_per_layer, out,
+                 plot):
+    """Plan static shapes for a target: expert groups, their capacity shapes, residency, overflow.
 
     Example: npumoe plan --profile profile.json --target ane --residency npu --out plan.json
     """
@@ -113,13 +116,14 @@ def plan_command(model_dir, profile_path, target, overflow, residency, method, m
     claim_outputs(out, PLAN, plot)
     model = load(model_dir)
     p = plan(model, RoutingProfile.load(profile_path), target=target, overflow=overflow, residency=residency,
-             method=method, max_overflow=max_overflow, max_tiers=max_tiers)
+             method=method, max_overflow=max_overflow, graphs_per_layer=graphs_per_layer)
     p.save(out)
-    table = Table("layer", "tiers", "groups (experts × capacity, residency)", "padded %", "overflow %", "NPU launches")
+    table = Table("layer", "groups: experts, rows per shape, residency", "padded %", "overflow %", "NPU launches")
     for i, lp in p.layers.items():
-        groups = ", ".join(f"{len(g.experts)}×{g.capacity or '-'} {g.residency}" for g in lp.groups)
+        groups = ", ".join(f"{len(g.experts)}, {'/'.join(str(sum(s)) for s in g.shapes) or '-'} {g.residency}"
+                           for g in lp.groups)
         pr = lp.predicted
-        table.add_row(str(i), "/".join(map(str, lp.tiers)), groups, f"{pr['padded_pct']:.1f}",
+        table.add_row(str(i), groups, f"{pr['padded_pct']:.1f}",
                       f"{pr['overflow_pct']:.1f}", f"{pr['npu_launches']:.1f}")
     console.print(table)
     for name, reason in p.cpu_graphs.items():

@@ -1,0 +1,95 @@
+"""Executors kept within a memory budget: loaded on first use, least recently used evicted first.
+
+A phone cannot hold every compiled expert graph of a 30 B model at once; the NPU's loaded graphs
+(context binaries, Core ML models) are a cache over the artifacts on flash. ``max_resident_bytes``
+is that cache's size. A graph larger than the whole budget still runs: it is loaded, run, and the
+next load evicts it. Prefetching loads a graph before its step needs it (during the previous
+attention, on a device), so the step finds it resident.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, MutableMapping
+
+from npumoe.core.backend import Executor
+from npumoe.core.runtime.metrics import Metrics
+
+
+class ResidentExecutors(MutableMapping[str, Executor]):
+    """A mapping of graph name → executor whose values are loaded when asked for and evicted (least recently
+    used first) while the resident ones' bytes exceed ``budget`` (None: no limit, nothing evicted). Metrics count
+    ``executor_hits``, ``executor_misses`` (a load on demand), ``prefetches``, ``prefetch_hits`` (a prefetched
+    graph used before its eviction) and ``evictions``; ``resident_bytes`` peaks as ``peak_resident_bytes``."""
+
+    def __init__(self, loaders: dict[str, Callable[[], Executor]], sizes: dict[str, int], budget: int | None,
+                 metrics: Metrics):
+        self._loaders, self.sizes, self.budget, self.metrics = dict(loaders), sizes, budget, metrics  # bytes per graph
+        self._resident: OrderedDict[str, Executor] = OrderedDict()  # least recently used first
+        self._prefetched: set[str] = set()
+        self.resident_bytes = 0
+
+    def __getitem__(self, name: str) -> Executor:
+        if name in self._resident:
+            self._resident.move_to_end(name)
+            self.metrics.add("executor_hits")
+            if name in self._prefetched:
+                self._prefetched.discard(name)
+                self.metrics.add("prefetch_hits")
+            return self._resident[name]
+        if name not in self._loaders:
+            raise KeyError(name)
+        self.metrics.add("executor_misses")
+        return self._load(name)
+
+    def prefetch(self, names) -> None:
+        """Load the named graphs that are not resident (most likely first: a later one may evict an earlier
+        one when the budget is small)."""
+        for name in names:
+            if name not in self._resident and name in self._loaders:
+                self.metrics.add("prefetches")
+                self._load(name)
+                self._prefetched.add(name)
+
+    def load_all(self) -> None:
+        """Every graph, now: without a budget, the engine loads all at start so that a damaged artifact is named
+        before the first token rather than in the middle of a run."""
+        for name in self._loaders:
+            if name not in self._resident:
+                self._load(name)
+
+    def _load(self, name: str) -> Executor:
+        executor = self._loaders[name]()
+        self._resident[name] = executor
+        self.resident_bytes += self.sizes.get(name, 0)
+        self._evict(keep=name)
+        self.metrics.counts["peak_resident_bytes"] = max(self.metrics.counts.get("peak_resident_bytes", 0),
+                                                         self.resident_bytes)
+        return executor
+
+    def _evict(self, keep: str) -> None:
+        while self.budget is not None and self.resident_bytes > self.budget and len(self._resident) > 1:
+            name = next(n for n in self._resident if n != keep)
+            del self._resident[name]
+            self._prefetched.discard(name)
+            self.resident_bytes -= self.sizes.get(name, 0)
+            self.metrics.add("evictions")
+
+    def __setitem__(self, name: str, executor: Executor) -> None:
+        """Replace a graph's executor (a test or a tracer wrapping it); it stays the one loaded from now on."""
+        self._loaders[name] = lambda: executor
+        if name in self._resident:
+            self._resident[name] = executor
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("graphs cannot be removed from a program's executors")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loaders)
+
+    def __len__(self) -> int:
+        return len(self._loaders)
+
+    def resident(self) -> list[Executor]:
+        """The executors loaded now (iterating the mapping's values would load every graph)."""
+        return list(self._resident.values())

@@ -54,7 +54,7 @@ def test_calibration_routes_without_the_lm_head_and_sees_what_a_full_forward_rou
     engine = Engine(model, chunk=32, on_route=routed)
     heads = []
     run = engine._run
-    monkeypatch.setattr(engine, "_run", lambda name, inputs: heads.append(name) or run(name, inputs))
+    monkeypatch.setattr(engine, "_run", lambda name, *args: heads.append(name) or run(name, *args))
     engine.route(ids)
     assert not any(name.startswith("lm_head") for name in heads)
     for i in model.spec.moe_layers:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from npumoe.core.graphs import experts_graph
+from npumoe.core.backend import Executor
 from npumoe.core.interpreter import TorchGraphExecutor
 from npumoe.core.program import Program, build_program
 from npumoe.core.rope import cos_sin, short_context
@@ -77,19 +78,20 @@ class Engine:
         if plan is not None:
             plan.check_model(model)
         self.program: Program = build_program(self.spec, chunk=chunk, max_context=max_context, plan=plan)
-        self.metrics_ = Metrics()
+        npu_experts = any(g.kind == "experts" and g.placement == "npu" for g in self.program.graphs.values())
+        overlap = backend != "cpu" if overlap is None else overlap
+        self.device = ThreadPoolExecutor(1, thread_name_prefix="npumoe-npu") if overlap and npu_experts else None
+        self.metrics_ = Metrics(threaded=self.device is not None)
         self.executors = self._executors(backend, artifacts, max_resident_bytes)
         self.cache = KVCache(self.program)
         self.preload = preload or max((ls.ffn.top_k for ls in self.spec.layers if isinstance(ls.ffn, MoESpec)),
                                       default=0)
-        npu_experts = any(g.kind == "experts" and g.placement == "npu" for g in self.program.graphs.values())
-        overlap = backend != "cpu" if overlap is None else overlap
-        self.device = ThreadPoolExecutor(1, thread_name_prefix="npumoe-npu") if overlap and npu_experts else None
         self.moe_layers = self._moe_layers()
         self.buffering = buffering and npu_experts and any(
             step.moe is not None and step.moe.overflow == "spill" for step in self.program.layers)
         self.embedding = model.weights["embed.weight"]  # once: in fp32 from a bf16 file, a converted copy
         self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._start_position: tuple[int, torch.Tensor] = (-1, torch.zeros(1, dtype=torch.int32))
         self.rope_limit = min(filter(None, (short_context(ls.attention.rope) for ls in self.spec.layers)), default=None)
 
     # -- set-up ---------------------------------------------------------------------------
@@ -238,11 +240,14 @@ class Engine:
                 rows.append(logits[:valid])
         return torch.cat(rows) if rows else None
 
-    def _run(self, name: str, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _run(self, name: str, inputs: Mapping[str, torch.Tensor], executor: Executor | None = None
+             ) -> dict[str, torch.Tensor]:
+        """Graph ``name`` on ``inputs``, through ``executor`` when the caller already holds it."""
         placement = self.program.graphs[name].placement
         self.metrics_.add("npu_launches" if placement == "npu" else "cpu_launches")
+        executor = executor or self.executors[name]
         with self.metrics_.running([name]):
-            return self.executors[name](inputs)
+            return executor(inputs)
 
     def _rope_rows(self, att, start: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin rows for positions start..start+seq-1, sliced from tables of every position a run can
@@ -309,14 +314,14 @@ class Engine:
     def _embed(self, ids: torch.Tensor, valid: int) -> torch.Tensor:
         with self.metrics_.time("embed"):
             x = self.embedding[ids].float() * self.spec.embedding_scale
-        self._check_finite(x, valid, len(ids), "embedding")
+        self._check_finite(x, valid, ids.shape[0], "embedding")
         return x
 
     def _attention(self, i: int, x: torch.Tensor, start: int, valid: int,
                    masks: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s attention graph on ``x`` (positions start..), its new keys and values written to the
         cache; h (the residual after attention) and z (its normalised input to the feed-forward)."""
-        seq, m, step, att = len(x), self.metrics_, self.program.layers[i], self.spec.layers[i].attention
+        seq, m, step, att = x.shape[0], self.metrics_, self.program.layers[i], self.spec.layers[i].attention
         slots = self._cache_slots(step.attention[seq], start)
         with m.time("rope_mask"):
             cos, sin = self._rope_rows(att, start, seq)
@@ -326,16 +331,22 @@ class Engine:
         if step.moe is not None and self.predictor is not None and seq == 1:
             self._prefetch(i, x, step.moe.groups[seq])
         with m.time("attention"):
-            feed = {"x": x, "cos": cos, "sin": sin, "mask": masks[key],
-                    "position": torch.tensor([start], dtype=torch.int32)}
-            if not self.executors[step.attention[seq]].keeps_state:
+            executor = self.executors[step.attention[seq]]
+            feed = {"x": x, "cos": cos, "sin": sin, "mask": masks[key], "position": self._position(start)}
+            if not executor.keeps_state:
                 feed |= {"k_cache": self.cache.k[i][:, :slots], "v_cache": self.cache.v[i][:, :slots]}
-            out = self._run(step.attention[seq], feed)
+            out = self._run(step.attention[seq], feed, executor)
         self.cache.write(i, out["k_new"], out["v_new"], start, valid)
         return out["h"], out["z"]
 
+    def _position(self, start: int) -> torch.Tensor:
+        """The attention graphs' ``position`` input: one tensor per step, shared by its layers."""
+        if self._start_position[0] != start:
+            self._start_position = start, torch.tensor([start], dtype=torch.int32)
+        return self._start_position[1]
+
     def _feed_forward(self, i: int, z: torch.Tensor, attn_out: torch.Tensor, valid: int) -> torch.Tensor:
-        seq, m, step = len(z), self.metrics_, self.program.layers[i]
+        seq, m, step = z.shape[0], self.metrics_, self.program.layers[i]
         if step.moe is None:
             with m.time("ffn"):
                 return self._run(step.dense[seq], {"z": z})["y"]
@@ -352,14 +363,14 @@ class Engine:
         with self.metrics_.time("residual"):
             out = h + y
         if not self._finite(out, valid):  # one check a layer; h (the attention's output) says which part
-            self._check_finite(h, valid, len(x), "attention", i)
-            self._check_finite(out, valid, len(x), "ffn", i)
+            self._check_finite(h, valid, x.shape[0], "attention", i)
+            self._check_finite(out, valid, x.shape[0], "ffn", i)
         return out
 
     def _lm_head(self, x: torch.Tensor, valid: int) -> torch.Tensor:
         with self.metrics_.time("lm_head"):
-            logits = self._run(self.program.lm_head[len(x)], {"x": x})["logits"]
-        self._check_finite(logits, valid, len(x), "lm_head")
+            logits = self._run(self.program.lm_head[x.shape[0]], {"x": x})["logits"]
+        self._check_finite(logits, valid, x.shape[0], "lm_head")
         return logits
 
     def _prefetch(self, layer: int, x: torch.Tensor, groups) -> None:

@@ -1,5 +1,6 @@
-"""Counters and per-op timers the engine keeps; ``Engine.metrics`` is a plain dict of them. Updates take a lock:
-a MoE layer's NPU launches may run on a worker thread beside its CPU experts."""
+"""Counters and per-op timers the engine keeps; ``Engine.metrics`` is a plain dict of them. ``threaded`` metrics
+take a lock for each update: a MoE layer's NPU launches may run on a worker thread beside its CPU experts (a
+decode step updates them some sixty times, so engines without that worker skip the lock)."""
 
 from __future__ import annotations
 
@@ -12,23 +13,29 @@ COUNTS = ("routed", "padded", "spilled", "dropped", "rerouted", "npu_launches", 
 
 
 class Metrics:
-    def __init__(self):
+    def __init__(self, threaded: bool = False):
         self.counts: dict[str, int] = dict.fromkeys(COUNTS, 0)
         self.seconds: dict[str, float] = defaultdict(float)
         self.spans: list[tuple[str, float, float]] | None = None  # set to [] to record a timeline (--trace)
         self.graph_runs: Counter[str] = Counter()  # calls per graph (CPU experts as L{layer}.cpu.e{expert})
-        self.lock = threading.Lock()
+        self.lock = threading.Lock() if threaded else None
 
     def running(self, graphs: list[str]) -> _Timer:
         """``with metrics.running(graphs):`` counts a call of each graph and times it as ``executor`` (the rest
         of a step's time is host work)."""
-        with self.lock:
+        if self.lock is None:
             self.graph_runs.update(graphs)
+        else:
+            with self.lock:
+                self.graph_runs.update(graphs)
         return self.time("executor")
 
     def add(self, name: str, n: int = 1) -> None:
-        with self.lock:
+        if self.lock is None:
             self.counts[name] = self.counts.get(name, 0) + int(n)
+        else:
+            with self.lock:
+                self.counts[name] = self.counts.get(name, 0) + int(n)
 
     def time(self, op: str) -> _Timer:
         """``with metrics.time(op):`` adds the block's wall time to ``seconds[op]`` (and a span when recording)."""
@@ -38,7 +45,7 @@ class Metrics:
         return {**self.counts, "seconds": dict(self.seconds)}
 
     def reset(self) -> None:
-        self.__init__()
+        self.__init__(threaded=self.lock is not None)
 
 
 class _Timer:
@@ -55,7 +62,13 @@ class _Timer:
 
     def __exit__(self, *exc) -> None:
         end = time.perf_counter()
-        with self.metrics.lock:
-            self.metrics.seconds[self.op] += end - self.start
-            if self.metrics.spans is not None:
-                self.metrics.spans.append((self.op, self.start, end))
+        if self.metrics.lock is None:
+            self._record(end)
+        else:
+            with self.metrics.lock:
+                self._record(end)
+
+    def _record(self, end: float) -> None:
+        self.metrics.seconds[self.op] += end - self.start
+        if self.metrics.spans is not None:
+            self.metrics.spans.append((self.op, self.start, end))

@@ -30,6 +30,8 @@ class ResidentExecutors(MutableMapping[str, Executor]):
         self.resident_bytes = 0
 
     def __getitem__(self, name: str) -> Executor:
+        if self.budget is None:  # everything loaded at start: nothing to count or reorder on the hot path
+            return self._resident[name]
         if name in self._resident:
             self._resident.move_to_end(name)
             self.metrics.add("executor_hits")

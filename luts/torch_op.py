@@ -21,13 +21,19 @@ from npumoe.errors import InputError
 from npumoe.luts import kernels, layout, spec
 
 
-def uses_gemm(rows: int, bits: int) -> bool:
-    """Dequantise once (GEMM) from 16 rows at 4 bits, 32 at 2, 8 at 8; below, a GEMV per row.
+GEMM_FROM = {"avx512": 192, "avx2": 64, "neon": 64, "portable": 64}  # rows × bits where the GEMM starts to win
 
-    A LUT-GEMV streams the weight once per row, so its cost grows with bits × rows; the GEMM's
-    dequantisation costs about the same at any width. Measured crossover on an AVX-512 core.
+
+def uses_gemm(rows: int, bits: int) -> bool:
+    """Dequantise once (GEMM) from ``rows × bits ≥ GEMM_FROM[isa]``; below, a LUT-GEMV per row.
+
+    A LUT-GEMV's table lookups grow with bits × rows; the GEMM's dequantisation costs about the same
+    at any width. Measured on a quiet 2-core AMD EPYC (768×2048, 2048×768 and 4096², 2 threads,
+    GEMV time / GEMM time): with AVX-512 the GEMV still wins at 64 rows at 2 and 4 bits (0.4-0.8) and
+    up to about 24 rows at 8 bits; the AVX2 build crosses at 16-24 rows at 2 bits, about 8 at 4, 4 at 8.
+    NEON and portable keep AVX2's rule (not measured: NEON runs here only under emulation).
     """
-    return rows * bits >= 64
+    return rows * bits >= GEMM_FROM[_kernels().isa]
 
 
 @functools.cache

@@ -22,6 +22,7 @@ from npumoe.luts import kernels, layout, spec
 
 
 GEMM_FROM = {"avx512": 192, "avx2": 64, "neon": 64, "portable": 64}  # rows × bits where the GEMM starts to win
+EXACT_GEMM_FROM = 64  # above 4 bits
 
 
 def uses_gemm(rows: int, bits: int) -> bool:
@@ -31,9 +32,11 @@ def uses_gemm(rows: int, bits: int) -> bool:
     at any width. Measured on a quiet 2-core AMD EPYC (768×2048, 2048×768 and 4096², 2 threads,
     GEMV time / GEMM time): with AVX-512 the GEMV still wins at 64 rows at 2 and 4 bits (0.4-0.8) and
     up to about 24 rows at 8 bits; the AVX2 build crosses at 16-24 rows at 2 bits, about 8 at 4, 4 at 8.
-    NEON and portable keep AVX2's rule (not measured: NEON runs here only under emulation).
+    NEON and portable keep AVX2's rule (not measured: NEON runs here only under emulation). Above
+    4 bits the GEMV's 8-bit activation tables, not the weights, set its error (MXFP4 experts, 8-bit
+    heads), so the exact dequantising GEMM takes over early there, whatever the ISA.
     """
-    return rows * bits >= GEMM_FROM[_kernels().isa]
+    return rows * bits >= (GEMM_FROM[_kernels().isa] if bits <= 4 else EXACT_GEMM_FROM)
 
 
 @functools.cache

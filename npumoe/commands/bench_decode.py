@@ -17,6 +17,7 @@ from rich.table import Table
 from npumoe.commands.bench_scale import CACHE, MODELS, write_random_checkpoint
 from npumoe.core.graphs import experts_graph
 from npumoe.core.runtime.engine import Engine
+from npumoe.core.weights import compute_bytes
 from npumoe.models.loader import load
 
 PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
@@ -36,8 +37,7 @@ def graph_weight_bytes(engine: Engine, name: str) -> int:
     if graph is None:  # a CPU expert: L{layer}.cpu.e{expert}
         layer, expert = name[1:].split(".cpu.e")
         graph = experts_graph(engine.spec, int(layer), (int(expert),), (1,), name)
-    weights = engine.model.weights
-    return sum(weights[w].nbytes for w in graph.weight_names())
+    return compute_bytes(engine.model.weights, graph.weight_names())
 
 
 def measure(engine: Engine, tokens: int) -> dict:

@@ -51,7 +51,8 @@ class Executor(Protocol):
 class Capabilities:
     """What the planner may assume about a device. Honest numbers, with their source; every field is
     read by the planner (ops and graph bytes decide what the device takes at all; alignment shapes the
-    capacities; launch cost and throughput decide which groups pay for a launch)."""
+    capacities; launch cost and throughput decide which groups pay for a launch; launch cost and weight
+    bandwidth decide how many experts a decode graph holds)."""
 
     name: str
     ops: frozenset[str]  # IR ops its lowering takes (core.ir.OPS); a graph with another op runs on the CPU
@@ -59,6 +60,7 @@ class Capabilities:
     max_graph_bytes: int = 1 << 62  # fp16 weight bytes one graph may carry
     dispatch_seconds: float = 0.0  # fixed cost of one launch, host round trip included
     flops_per_second: float = 1e10  # sustained for the expert FFN shapes we emit
+    weight_bytes_per_second: float = 5e10  # weights a launch streams from DRAM (decode is bound by it)
     notes: tuple[str, ...] = field(default_factory=tuple)  # shown with every plan for this device
 
     def align(self, n: int) -> int:

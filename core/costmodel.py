@@ -140,19 +140,25 @@ def check_published() -> list[dict]:
 
 
 def workload(spec, plan, chunk_launches: float) -> Workload:
-    """A planned model's per-token costs at fp16 weights: dense graphs, and the top-k experts a decode token
-    hits; a prefill chunk reads every expert (at real chunk sizes nearly all are hit) and launches what was
-    measured (``chunk_launches``)."""
+    """A planned model's per-token costs at fp16 weights: dense graphs, and the expert graphs a decode token
+    launches (whole, as the plan cut them: its expected figures; the top-k experts in plans made before); a
+    prefill chunk reads every expert (at real chunk sizes nearly all are hit) and launches what was measured
+    (``chunk_launches``)."""
     from npumoe.core.plan import expert_bytes
     from npumoe.core.weights import expected_shapes
 
     params = {n: float(np.prod(s)) for n, s in expected_shapes(spec).items() if n != "embed.weight"}
     params.setdefault("lm_head.weight", float(spec.vocab_size * spec.hidden_size))  # a tied head is still read
     dense = 2 * sum(p for n, p in params.items() if ".moe.experts." not in n)
-    hit = sum(spec.layers[i].ffn.top_k * expert_bytes(spec, i) for i in spec.moe_layers)
     every = sum(spec.layers[i].ffn.num_experts * expert_bytes(spec, i) for i in spec.moe_layers)
-    npu_groups = {i: sum(g.residency == "npu" for g in lp.groups) for i, lp in plan.layers.items()}
-    decode_launches = spec.num_layers + 1 + sum(min(spec.layers[i].ffn.top_k, n) for i, n in npu_groups.items())
-    return Workload(decode_weight_bytes=dense + hit, decode_launches=float(decode_launches),
+    hit = expert_launches = 0.0
+    for i, lp in plan.layers.items():
+        if "decode_weight_mb" in lp.predicted:
+            hit += lp.predicted["decode_weight_mb"] * 1e6
+            expert_launches += lp.predicted["decode_launches"]
+        else:
+            hit += spec.layers[i].ffn.top_k * expert_bytes(spec, i)
+            expert_launches += min(spec.layers[i].ffn.top_k, sum(g.residency == "npu" for g in lp.groups))
+    return Workload(decode_weight_bytes=dense + hit, decode_launches=spec.num_layers + 1 + expert_launches,
                     prefill_flops_per_token=dense + hit,  # 2 FLOPs per active parameter = its fp16 bytes
                     chunk=plan.chunk, chunk_weight_bytes=dense + every, chunk_launches=chunk_launches)

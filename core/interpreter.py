@@ -12,11 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from npumoe.core.backend import check_feed
-from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op
+from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op, Role
 from npumoe.luts.torch_op import bf16_linear, bf16_linear_many, lut_linear_many
 
 
 def _rmsnorm(x, w, *, eps):
+    if w.dtype == x.dtype:  # torch's own: the same ops in one call (a decode step runs four a layer)
+        return torch.rms_norm(x, (x.shape[-1],), w, eps)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
@@ -31,11 +33,13 @@ def _rotate(x, cos, sin, interleaved):
         even, odd = x[..., 0::2], x[..., 1::2]
         return torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2)
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.addcmul(x * cos, torch.cat((-x2, x1), dim=-1), sin)
 
 
 def _rope(x, cos, sin, *, rotary_dim, interleaved):
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
+    if rotary_dim == x.shape[-1]:  # (most models: no pass-through part to split off and join again)
+        return _rotate(x, cos, sin, interleaved)
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     return torch.cat((_rotate(rot, cos, sin, interleaved), rest), dim=-1)
 
@@ -57,27 +61,22 @@ def _sdpa(q, k, v, mask, sinks=None, *, scale):
 def _sdpa_over_parts(q, k_old, k_new, v_old, v_new, mask, sinks=None, *, scale):
     """``sdpa(q, concat(k_old, k_new), concat(v_old, v_new), mask, sinks)`` without building either
     concatenation (at decode each would copy the layer's whole KV cache) and with grouped-query heads
-    matched by reshaping the queries instead of repeating K and V (another copy of the cache)."""
-    kv_heads, (heads, seq, dim) = k_old.shape[0], q.shape
-    grouped = q.reshape(kv_heads, heads // kv_heads * seq, dim)  # query head h uses K/V head h // groups
-
-    def per_query_head(x):
-        return x.reshape(heads, seq, x.shape[-1])
-
-    logits = torch.cat((per_query_head(torch.matmul(grouped, k_old.transpose(1, 2))),
-                        per_query_head(torch.matmul(grouped, k_new.transpose(1, 2)))), dim=-1) * scale + mask
+    matched by reshaping the queries instead of repeating K and V (another copy of the cache). Scale and
+    mask ride in the products (baddbmm): a decode step is a handful of kernel calls, not a score of them."""
+    kv_heads, (heads, seq, dim), old = k_old.shape[0], q.shape, k_old.shape[1]
+    groups = heads // kv_heads
+    grouped = q.reshape(kv_heads, groups * seq, dim)  # row g·seq + s: query head kv·groups + g at position s
+    rows = mask if groups == 1 or seq == 1 else mask.repeat(groups, 1)  # each query head's rows see its mask
+    logits = torch.cat((torch.baddbmm(rows[:, :old], grouped, k_old.transpose(1, 2), alpha=scale),
+                        torch.baddbmm(rows[:, old:], grouped, k_new.transpose(1, 2), alpha=scale)), dim=-1)
     if sinks is None:
         probs = torch.softmax(logits, dim=-1)
     else:
-        sink = sinks.reshape(-1, 1, 1).expand(-1, seq, 1)
+        sink = sinks.reshape(kv_heads, groups, 1, 1).expand(-1, -1, seq, 1).reshape(kv_heads, groups * seq, 1)
         joint = torch.cat((logits, sink), dim=-1)
         probs = torch.softmax(joint - joint.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]
-    old = k_old.shape[1]
-
-    def attend(p, v):
-        return torch.matmul(p.reshape(kv_heads, -1, p.shape[-1]), v)
-
-    return per_query_head(attend(probs[..., :old], v_old) + attend(probs[..., old:], v_new))
+    out = torch.baddbmm(torch.bmm(probs[..., old:], v_new), probs[..., :old], v_old)
+    return out.reshape(heads, seq, v_old.shape[-1])
 
 
 def fuse_cached_attention(steps: list[tuple]) -> list[tuple]:
@@ -183,6 +182,9 @@ class TorchGraphExecutor:
         self._steps = fuse_cached_attention([self._bind(op, weights) for op in graph.ops])
         self._runs = _independent_runs(self._steps)
         self._shape = [(impl, attrs, len(args)) for impl, args, attrs, _ in self._steps]  # what run_many lines up
+        self._batches = any(len(run) > 1 for run in self._runs)  # q, k, v (or gate, up) as one kernel call
+        self._batchable = any(map(_batchable, self._steps))  # side by side with its twins, one kernel call
+        self._needed = frozenset(n for n, t in graph.inputs.items() if t.role != Role.POSITION)
 
     @staticmethod
     def _bind(op: Op, weights):
@@ -198,8 +200,14 @@ class TorchGraphExecutor:
         return OP_IMPLS[kind], args, op.a, op.outputs
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        check_feed(self.graph, inputs, keeps_state=False, static=False)  # any length: only presence checked
-        return self.run_many([self], [inputs])[0]
+        if not inputs.keys() >= self._needed:  # any length: only presence checked
+            check_feed(self.graph, inputs, keeps_state=False, static=False)  # (which names what is missing)
+        if self._batches:
+            return self.run_many([self], [inputs])[0]
+        env = dict(inputs)  # a decode step's graphs are many small ops: the loop itself is the hot path
+        for step in self._steps:
+            _run_step(step, env)
+        return {name: env[name] for name in self.graph.outputs}
 
     @staticmethod
     def run_many(executors: list[TorchGraphExecutor], inputs: list[Mapping[str, torch.Tensor]]) -> list[dict]:
@@ -207,24 +215,31 @@ class TorchGraphExecutor:
         batched into one kernel call: consecutive ones of a graph that read no output of each other (q, k, v;
         gate, up) and, for graphs of one shape run side by side (a decode step's experts), the same step of
         every graph. The kernel then streams all their matrices as one run instead of restarting per matrix."""
-        if not _same_steps(executors):
+        if not (executors and executors[0]._batchable and _same_steps(executors)):  # nothing to batch: one by one
             return [e(i) for e, i in zip(executors, inputs)]
         envs = [dict(i) for i in inputs]
         for run in executors[0]._runs:
             steps = [(e._steps[i], env) for e, env in zip(executors, envs) for i in run]
-            if not (steps[0][0][0] in BATCHED and len(steps) > 1 and _run_linears(steps)):
+            if not (len(steps) > 1 and _batchable(steps[0][0]) and _run_linears(steps)):
                 for step, env in steps:
                     _run_step(step, env)
         return [{name: env[name] for name in e.graph.outputs} for e, env in zip(executors, envs)]
 
 
+def _batchable(step) -> bool:
+    """Can a batched kernel call take this step: a packed linear, or a linear of a bf16 matrix (fp32 ones are
+    torch's own GEMVs, one call each)?"""
+    impl, args = step[0], step[1]
+    return impl in BATCHED and (impl is not _linear or getattr(args[1], "dtype", None) == torch.bfloat16)
+
+
 def _independent_runs(steps: list) -> list[list[int]]:
-    """Step indices in runs: consecutive linears of one kind (bf16 or packed) none of which reads another's
-    output share a run, every other step is a run of its own."""
+    """Step indices in runs: consecutive batchable linears of one kind (bf16 or packed) none of which reads
+    another's output share a run, every other step is a run of its own."""
     runs: list[list[int]] = []
     for i, (impl, args, _, _) in enumerate(steps):
         last = runs[-1] if runs else None
-        if impl in BATCHED and last and steps[last[0]][0] is impl \
+        if _batchable(steps[i]) and last and _batchable(steps[last[0]]) and steps[last[0]][0] is impl \
                 and args[0] not in {out for j in last for out in steps[j][3]}:
             last.append(i)
         else:
@@ -239,7 +254,7 @@ def _same_steps(executors: list[TorchGraphExecutor]) -> bool:
 
 def _run_step(step, env: dict) -> None:
     impl, args, attrs, outputs = step
-    result = impl(*[env[a] if isinstance(a, str) else a for a in args], **attrs)
+    result = impl(*[env[a] if a.__class__ is str else a for a in args], **attrs)
     if len(outputs) == 1:
         env[outputs[0]] = result
     else:

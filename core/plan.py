@@ -61,6 +61,7 @@ class GroupPlan:
     residency: str  # "npu" | "cpu"
     expected_tokens: float  # useful token-slots per chunk
     weight_bytes: int
+    decode_experts: int = 0  # experts per decode graph, in the group's order (0: the whole group, one graph)
 
 
 @dataclass
@@ -90,18 +91,24 @@ class Plan:
 
     # -- what the program builder asks ---------------------------------------------------------
     def groups(self, layer: int, seq: int) -> list[ExpertGroup]:
-        """Static groups for prefill chunks, each in its compiled shapes; for single-token decode one shape
-        at the smallest aligned capacity (each expert sees at most one token per step)."""
+        """Static groups for prefill chunks, each in its compiled shapes; for single-token decode, each group
+        cut into graphs of ``decode_experts`` experts at the smallest aligned capacity (each expert sees at
+        most one token per step), so that a step reads the weights of the graphs its experts are in."""
         lp, out = self.layers[layer], []
         for j, g in enumerate(lp.groups):
             if not g.shapes:
                 out.append(ExpertGroup(f"L{layer}.cpu.g{j}", tuple(g.experts)))
-                continue
-            if seq == self.chunk:
-                shapes = [StaticShape(f"L{layer}.experts.g{j}.p{v}", tuple(c)) for v, c in enumerate(g.shapes)]
+            elif seq == self.chunk:
+                shapes = tuple(StaticShape(f"L{layer}.experts.g{j}.p{v}", tuple(c)) for v, c in enumerate(g.shapes))
+                out.append(ExpertGroup(f"L{layer}.g{j}", tuple(g.experts), shapes, lp.overflow_cost))
             else:
-                shapes = [StaticShape(f"L{layer}.experts.g{j}.d", (self.alignment,) * len(g.experts))]
-            out.append(ExpertGroup(f"L{layer}.g{j}", tuple(g.experts), tuple(shapes), lp.overflow_cost))
+                size = g.decode_experts or len(g.experts)
+                parts = [tuple(g.experts[a:a + size]) for a in range(0, len(g.experts), size)]
+                for t, part in enumerate(parts):
+                    suffix = "" if len(parts) == 1 else str(t)
+                    shape = StaticShape(f"L{layer}.experts.g{j}.d{suffix}", (self.alignment,) * len(part))
+                    out.append(ExpertGroup(f"L{layer}.g{j}{'.' * bool(suffix)}{suffix}", part, (shape,),
+                                           lp.overflow_cost))
         return out
 
     def place(self, graphs: dict) -> None:
@@ -146,6 +153,8 @@ class Plan:
                         or any(len(c) != len(g.experts) or min(c) < 1 for c in g.shapes)):
                     bad(f"layer {i} has a group of shapes {g.shapes} for {len(g.experts)} experts with residency "
                         f"{g.residency!r}")
+                if not 0 <= g.decode_experts <= len(g.experts):
+                    bad(f"layer {i} cuts a group of {len(g.experts)} experts into decode graphs of {g.decode_experts}")
 
     # -- files -----------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -345,6 +354,44 @@ def make_groups(order: list[int], per_expert_bytes: int, caps: Capabilities) -> 
     return [order[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+def graph_hit(hit: np.ndarray, top_k: int) -> float:
+    """P(a decode token routes to any of the experts whose own probabilities are ``hit``), its top_k picks taken
+    as independent draws from hit / top_k: an estimate, close for rarely hit graphs, a little low for busy ones,
+    and 1 for a graph of every expert."""
+    return 1.0 - (1.0 - min(1.0, float(hit.sum()) / top_k)) ** top_k
+
+
+def decode_graph_experts(hit: np.ndarray, top_k: int, per_expert_bytes: int, caps: Capabilities) -> int:
+    """Experts per decode graph for a group whose experts (in order) a decode token hits with probabilities
+    ``hit``: the size with the least expected time per token. A launch reads its whole graph's weights, so one
+    graph per group reads the group for the one or two experts a token hit, and a graph per expert pays a launch
+    for each hit."""
+    def seconds(size: int) -> float:
+        parts = [hit[a:a + size] for a in range(0, len(hit), size)]
+        return sum(graph_hit(p, top_k) * (caps.dispatch_seconds + len(p) * per_expert_bytes /
+                                          caps.weight_bytes_per_second) for p in parts)
+
+    sizes = sorted({len(hit)} | {1 << b for b in range(len(hit).bit_length()) if 1 << b < len(hit)}, reverse=True)
+    return min(sizes, key=seconds)  # (the largest of equals: fewer graphs to build)
+
+
+def decode_figures(hit: np.ndarray, top_k: int, groups: list[GroupPlan], per_expert_bytes: int) -> dict[str, float]:
+    """Expected per decode token for one layer: NPU launches, and weight bytes read — NPU graphs whole,
+    CPU-resident experts only when hit."""
+    launches = read = 0.0
+    for g in groups:
+        p = hit[g.experts]
+        if not g.shapes:
+            read += p.sum() * per_expert_bytes
+            continue
+        size = g.decode_experts or len(g.experts)
+        for a in range(0, len(p), size):
+            launched = graph_hit(p[a:a + size], top_k)
+            launches += launched
+            read += launched * len(p[a:a + size]) * per_expert_bytes
+    return {"decode_launches": float(launches), "decode_weight_mb": float(read / 1e6)}
+
+
 def pays_for_npu(useful_tokens: float, slots: float, flops_per_token: float, caps: Capabilities,
                  cpu: Capabilities, experts: int) -> bool:
     """Is one NPU launch of the group faster than running its useful tokens on the CPU?"""
@@ -409,15 +456,17 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
             tiers, tier_of = paper_tiers(loads, caps.alignment, uniform=method == "uniform")
             shapes, lam = [np.asarray([[tiers[tier_of[e]] for e in g]]) for g in members], 1.0
         flops = 2 * per_expert / 2  # per token: a multiply-add per weight; per_expert counts 2-byte weights
+        hit = loads.sum(axis=0) / max(loads.sum() / profile.top_k[i], 1)  # per expert: P(a token routes to it)
         groups = []
         for experts, group_shapes in zip(members, shapes):
             f = launch_figures(loads[:, experts], group_shapes, lam)
             useful = float(f["fill"].mean())
             on_npu = f"L{i}.experts" not in cpu_graphs and (residency == "npu" or (
                 residency == "auto" and pays_for_npu(useful, float(f["slots"].mean()), flops, caps, cpu, len(experts))))
+            decode = decode_graph_experts(hit[experts], profile.top_k[i], per_expert, caps) if on_npu else 0
             groups.append(GroupPlan(experts, group_shapes.tolist() if on_npu else [], "npu" if on_npu else "cpu",
-                                    useful, per_expert * len(experts)))
-        layers[i] = LayerPlan(groups, predict(loads, groups, lam), lam)
+                                    useful, per_expert * len(experts), 0 if decode == len(experts) else decode))
+        layers[i] = LayerPlan(groups, predict(loads, groups, lam) | decode_figures(hit, profile.top_k[i], groups, per_expert), lam)
     totals = {k: float(np.mean([lp.predicted[k] for lp in layers.values()])) for k in next(iter(layers.values())).predicted}
     return Plan(
         model=spec.fingerprint(),

@@ -125,6 +125,36 @@ def test_plan_with_capacity_tiers_still_loads(model, profile):
                                                 for j, g in enumerate(lp.groups)]
 
 
+def test_decode_graphs_hold_a_group_when_launches_cost_most_and_one_expert_when_bytes_do():
+    from npumoe.core.backend import Capabilities
+    from npumoe.core.plan import decode_graph_experts, graph_hit
+
+    hit = np.array([0.5, 0.4, 0.3, 0.3, 0.2, 0.15, 0.1, 0.05])  # sums to top_k = 2
+    launch_bound = Capabilities("slow launches", frozenset(), dispatch_seconds=1e-3, weight_bytes_per_second=1e15)
+    byte_bound = Capabilities("free launches", frozenset(), dispatch_seconds=0.0, weight_bytes_per_second=1e9)
+    assert decode_graph_experts(hit, 2, 1 << 20, launch_bound) == 8
+    assert decode_graph_experts(hit, 2, 1 << 20, byte_bound) == 1
+    assert graph_hit(hit, 2) == 1.0  # a graph of every expert: every token
+    assert 0.4 < graph_hit(hit[:1], 2) <= 0.5  # one expert: exactly 0.5 (draws with replacement count a little low)
+
+
+def test_decode_graph_cuts_round_trip_and_a_bad_cut_is_refused(model, profile):
+    data = plan(model, profile, target="ane", residency="npu").to_json()
+    for lp in data["layers"].values():
+        lp["groups"][0]["decode_experts"] = 3
+    cut = Plan.from_json(data)
+    layer = next(iter(cut.layers))
+    size = len(cut.layers[layer].groups[0].experts)
+    decode = [g for g in cut.groups(layer, 1) if g.shapes]
+    assert [len(g.experts) for g in decode][:size // 3] == [3] * (size // 3)
+    assert sorted(e for g in decode for e in g.experts) == sorted(e for g in cut.groups(layer, cut.chunk)
+                                                                  if g.shapes for e in g.experts)
+    assert len({s.graph for g in decode for s in g.shapes}) == len(decode)
+    data["layers"][str(layer)]["groups"][0]["decode_experts"] = size + 1
+    with pytest.raises(ArtifactError, match="decode graphs"):
+        Plan.from_json(data).check_model(model)
+
+
 def test_auto_residency_keeps_tiny_experts_off_the_npu(model, profile):
     """These experts are far too small to pay for an HTP launch; forcing npu overrides that."""
     auto = plan(model, profile, target="htp", residency="auto")

@@ -63,3 +63,24 @@ def test_decode_steps_match_a_prefill_of_the_whole_sequence(demo):
     stepped = [engine.decode(int(t)) for t in tokens[:7]]
     whole = npumoe.Engine(demo, chunk=16).forward(np.concatenate([ids, tokens[:7]]))
     np.testing.assert_allclose(np.stack(stepped), whole[len(ids):], atol=1e-4)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_decode_masks_moved_a_column_a_step_equal_masks_built_afresh(window):
+    """DecodeMasks updates the previous step's mask in place; attention_mask builds each from scratch."""
+    import dataclasses
+
+    import torch
+
+    from npumoe.core.runtime.kvcache import DecodeMasks, attention_mask
+
+    att = dataclasses.replace(npumoe.load().spec.layers[0].attention, sliding_window=window)
+    masks = DecodeMasks()
+    for start in [0, 1, 2, 3, 4, 5, 9, 10, 10, 11, 2, 3]:  # steps, a jump, a repeat, a new sequence
+        torch.testing.assert_close(masks.get(att, start, 16), attention_mask(att, start, 1, 1, 16), rtol=0, atol=0)
+
+
+def test_bench_decode_refuses_more_steps_than_the_cache_holds(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "decode", "--tokens", "100000"])
+    assert exit_.value.code == 2 and "time at most" in capsys.readouterr().err

@@ -218,6 +218,45 @@ def test_planned_engine_matches_reference_with_spill(tmp_path, chunk):
     assert m["routed"] == 40 * 2 * 2 and m["dropped"] == 0 and m["npu_launches"] > 0
 
 
+def test_decode_graphs_per_expert_read_only_the_hit_experts(tmp_path):
+    """A plan whose decode graphs hold one expert each decodes what the unplanned program decodes, launching
+    one graph per routed expert and reading (group size - top_k) experts' weights less a layer than one graph per
+    group does."""
+    import dataclasses
+
+    import npumoe
+    from hf_compare import build_checkpoint, transformers
+    from npumoe.core.calibrate import calibrate
+    from npumoe.core.plan import plan
+
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=6, num_experts_per_tok=2,
+    )
+    build_checkpoint(cfg, tmp_path)
+    model = npumoe.load(tmp_path)
+    ids = np.random.default_rng(1).integers(0, 64, 12)
+    whole = plan(model, calibrate(model, [ids], chunk=4), target="ane", residency="npu")
+    assert all(len(lp.groups) == 1 and lp.groups[0].decode_experts == 0 for lp in whole.layers.values())
+    per_expert = dataclasses.replace(whole, layers={
+        i: dataclasses.replace(lp, groups=[dataclasses.replace(lp.groups[0], decode_experts=1)])
+        for i, lp in whole.layers.items()})
+    ref_tokens, ref_logits = npumoe.Engine(model, chunk=4).generate(ids, 6, return_logits=True)
+    read = {}
+    for name, p in (("whole", whole), ("per_expert", per_expert)):
+        engine = npumoe.Engine(model, plan=p)
+        tokens, logits = engine.generate(ids, 6, return_logits=True)
+        np.testing.assert_array_equal(tokens, ref_tokens)
+        np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5 * np.abs(ref_logits).max())
+        engine.metrics_.reset()
+        engine.decode(int(tokens[-1]))
+        read[name] = engine.metrics["weight_bytes"]
+        launches = sum(n for graph, n in engine.metrics_.graph_runs.items() if ".experts." in graph)
+        assert launches == 2 * (2 if name == "per_expert" else 1)  # two layers: top-2 graphs, or the group's one
+    expert = 4 * 3 * 16 * 32  # gate, up, down at fp32
+    assert read["whole"] - read["per_expert"] == 2 * (6 - 2) * expert
+
+
 def test_experts_run_side_by_side_equal_each_run_alone():
     """TorchGraphExecutor.run_many (a decode step's CPU experts, their bf16 linears batched into one kernel
     call per step) gives exactly what each executor gives alone; graphs whose steps differ run one by one."""

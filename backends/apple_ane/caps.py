@@ -14,6 +14,7 @@ ANE_CAPS = Capabilities(
     max_graph_bytes=rules.max_graph_bytes(),  # graph budget, capped by the iOS package limit
     dispatch_seconds=2e-4,  # one Core ML prediction on an ANE-resident function, order of magnitude
     flops_per_second=3e12,  # fp16, sustained for FFN-sized 1×1 convs (M2-class estimate; peak 15.8 T)
+    weight_bytes_per_second=100e9,  # M2's unified memory bandwidth (Apple newsroom, 2022-06-06); a peak
     notes=(
         f"packages ≤ {rules.MAX_PACKAGE_BYTES['ios'] / 1e9:g} GB on iOS, "
         f"≤ {rules.MAX_PACKAGE_BYTES['macos'] / 1e9:g} GB on macOS",

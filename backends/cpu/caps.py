@@ -9,6 +9,7 @@ CPU_CAPS = Capabilities(
     alignment=1,
     dispatch_seconds=5e-6,  # a Python call into torch: measured order of magnitude on x86
     flops_per_second=5e10,
+    weight_bytes_per_second=2e10,  # a laptop's DRAM read rate, order of magnitude (npumoe bench lut measures it)
     notes=("reference executor: fp32 torch, any shape",),
 )
 

@@ -12,6 +12,7 @@ INTEL_NPU_CAPS = Capabilities(
     max_graph_bytes=2 << 30,  # estimate: one compiled blob per graph kept well under the driver's 4 GB mappings
     dispatch_seconds=5e-4,  # estimate: one synchronous infer request through the NPU driver, order of magnitude
     flops_per_second=5e12,  # estimate: fp16, sustained on FFN-sized matmuls (NPU 3720 is marketed at ~11 TOPS int8)
+    weight_bytes_per_second=60e9,  # estimate: a share of Core Ultra's LPDDR5X (~90-120 GB/s peak)
     notes=(
         f"static shapes only, FP16 compute on the device ({NPU_DOCS}; Supported Devices: dynamic shapes No)",
         "compiled for device NPU where OpenVINO lists one; elsewhere run on OpenVINO's CPU device (said in the "

@@ -10,6 +10,7 @@ HTP_CAPS = Capabilities(
     max_graph_bytes=4 << 30,  # a QNN context binary maps into the HTP's 32-bit (4 GB) address space
     dispatch_seconds=3e-4,  # one graphExecute incl. the FastRPC round trip, order of magnitude on phones
     flops_per_second=4e12,  # fp16 HTP on 8 Gen 3-class parts, sustained on FFN-sized matmuls (estimate)
+    weight_bytes_per_second=59e9,  # T-MAN (arXiv 2025) Table 2: NPU DMA bandwidth measured on a OnePlus 12
     notes=(
         "static shapes only; no data-dependent ops inside graphs",
         "max context bytes 4 GB (HTP virtual address space per session)",

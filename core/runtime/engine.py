@@ -20,7 +20,7 @@ from npumoe.core.backend import Executor
 from npumoe.core.interpreter import TorchGraphExecutor
 from npumoe.core.program import Program, build_program
 from npumoe.core.rope import cos_sin, short_context
-from npumoe.core.runtime.kvcache import KVCache, attention_mask
+from npumoe.core.runtime.kvcache import DecodeMasks, KVCache, attention_mask
 from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.moe import MoELayer
 from npumoe.core.runtime.residency import ResidentExecutors
@@ -32,6 +32,11 @@ from npumoe.luts.torch_op import torch_on_one_thread
 DEFAULT_CHUNK = 64
 DEFAULT_MAX_CONTEXT = 512
 CACHE_BUCKET = 256  # CPU attention reads the cache in steps of this many slots
+
+
+# Every public run is in torch's inference mode: no autograd or version-counter bookkeeping on any op. A decode
+# step is a few hundred small ops; on the demo model this is ~15 % of its time.
+_inference = torch.inference_mode()
 
 
 class Engine:
@@ -91,6 +96,7 @@ class Engine:
             step.moe is not None and step.moe.overflow == "spill" for step in self.program.layers)
         self.embedding = model.weights["embed.weight"]  # once: in fp32 from a bf16 file, a converted copy
         self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._decode_masks = DecodeMasks()
         self._start_position: tuple[int, torch.Tensor] = (-1, torch.zeros(1, dtype=torch.int32))
         self.rope_limit = min(filter(None, (short_context(ls.attention.rope) for ls in self.spec.layers)), default=None)
 
@@ -125,9 +131,10 @@ class Engine:
                 e: TorchGraphExecutor(experts_graph(self.spec, i, (e,), (1,), f"L{i}.cpu.e{e}"), self.model.weights)
                 for e in range(moe.num_experts)
             }
+            expert_bytes = compute_bytes(self.model.weights, cpu_experts[0].graph.weight_names())  # (experts alike)
             for s in self.program.seqs:
                 out[(i, s)] = MoELayer(i, moe, self.model.weights, step.moe.groups[s], cpu_experts, step.moe.overflow,
-                                       self.device)
+                                       self.device, expert_bytes)
         return out
 
     @property
@@ -135,12 +142,14 @@ class Engine:
         return self.metrics_.as_dict()
 
     # -- public API -----------------------------------------------------------------------
+    @_inference
     def forward(self, ids) -> np.ndarray:
         """Logits [T, vocab] (fp32) for a fresh sequence of token ids."""
         ids = self._check_ids(ids)
         self.cache.reset()
         return self._prefill(ids).numpy()
 
+    @_inference
     def route(self, ids) -> None:
         """Prefill a fresh sequence only for what it routes (``on_route`` sees every layer), without the
         LM head: calibration needs no logits, which for a 2048-token window of a 152k vocabulary are
@@ -148,6 +157,7 @@ class Engine:
         self.cache.reset()
         self._prefill(self._check_ids(ids), keep="none")
 
+    @_inference
     def generate(self, ids, max_new_tokens: int = 32, return_logits: bool = False):
         """Greedy decoding from ``ids``; returns only the new tokens, stopping after an EOS.
 
@@ -176,6 +186,7 @@ class Engine:
         tokens = np.asarray(new, dtype=np.int64)
         return (tokens, torch.stack(seen).numpy()) if return_logits else tokens
 
+    @_inference
     def decode(self, token: int) -> np.ndarray:
         """One decode step after :meth:`generate` or :meth:`forward`: ``token`` appended to the sequence in
         the cache, the logits [vocab] (fp32) of the next position."""
@@ -245,17 +256,16 @@ class Engine:
         """Graph ``name`` on ``inputs``, through ``executor`` when the caller already holds it."""
         placement = self.program.graphs[name].placement
         self.metrics_.add("npu_launches" if placement == "npu" else "cpu_launches")
+        self.metrics_.add("weight_bytes", self.executors.sizes[name])
         executor = executor or self.executors[name]
         with self.metrics_.running([name]):
             return executor(inputs)
 
-    def _rope_rows(self, att, start: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin rows for positions start..start+seq-1, sliced from tables of every position a run can
-        reach (computed once per rope: the same values cos_sin gives for those positions)."""
-        head_dim = att.qk_rope_head_dim if att.kind == "mla" else att.head_dim
-        key = (att.rope, head_dim)
+    def _rope_rows(self, key: tuple, start: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin rows of rope ``key`` = (rope, head_dim) for positions start..start+seq-1, sliced from tables
+        of every position a run can reach (computed once per rope: the same values cos_sin gives for them)."""
         if key not in self._rope_tables:
-            cos, sin = cos_sin(att.rope, head_dim, np.arange(self.cache.capacity + self.program.chunk))
+            cos, sin = cos_sin(*key, np.arange(self.cache.capacity + self.program.chunk))
             self._rope_tables[key] = torch.from_numpy(cos), torch.from_numpy(sin)
         cos, sin = self._rope_tables[key]
         return cos[start:start + seq], sin[start:start + seq]
@@ -274,9 +284,9 @@ class Engine:
         unless ``lm_head`` is off."""
         start = self.cache.length
         x = self._embed(ids, valid)
-        masks: dict[tuple, torch.Tensor] = {}  # layers alike in window and cache slots share one mask
+        shared: dict[tuple, object] = {}  # one step's rope rows and masks, for the layers alike in them
         for i, step in enumerate(self.program.layers):
-            h, z = self._attention(i, x, start, valid, masks)
+            h, z = self._attention(i, x, start, valid, shared)
             y = self._feed_forward(i, z, h - x, valid)
             x = self._residual(i, x, h, y, valid)
         self.cache.length += valid
@@ -291,9 +301,9 @@ class Engine:
         starts = list(range(0, len(ids), chunk))
         valid = [min(chunk, len(ids) - s) for s in starts]
         xs = [self._embed(torch.cat([ids[s:s + v], ids.new_zeros(chunk - v)]), v) for s, v in zip(starts, valid)]
-        masks: list[dict] = [{} for _ in starts]
+        shared: list[dict] = [{} for _ in starts]
         for i, step in enumerate(self.program.layers):
-            hz = [self._attention(i, x, s, v, mk) for x, s, v, mk in zip(xs, starts, valid, masks)]
+            hz = [self._attention(i, x, s, v, mk) for x, s, v, mk in zip(xs, starts, valid, shared)]
             if step.moe is None:
                 ys = [self._feed_forward(i, z, h - x, v) for (h, z), x, v in zip(hz, xs, valid)]
             else:
@@ -318,21 +328,25 @@ class Engine:
         return x
 
     def _attention(self, i: int, x: torch.Tensor, start: int, valid: int,
-                   masks: dict) -> tuple[torch.Tensor, torch.Tensor]:
+                   shared: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s attention graph on ``x`` (positions start..), its new keys and values written to the
         cache; h (the residual after attention) and z (its normalised input to the feed-forward)."""
         seq, m, step, att = x.shape[0], self.metrics_, self.program.layers[i], self.spec.layers[i].attention
         slots = self._cache_slots(step.attention[seq], start)
         with m.time("rope_mask"):
-            cos, sin = self._rope_rows(att, start, seq)
-            key = (att.sliding_window, slots)
-            if key not in masks:
-                masks[key] = attention_mask(att, start, seq, valid, slots)
+            rope_key = ("rope", att.rope, att.qk_rope_head_dim if att.kind == "mla" else att.head_dim)
+            if rope_key not in shared:
+                shared[rope_key] = self._rope_rows(rope_key[1:], start, seq)
+            cos, sin = shared[rope_key]
+            key = ("mask", att.sliding_window, slots)
+            if key not in shared:
+                shared[key] = self._decode_masks.get(att, start, slots) if seq == 1 else attention_mask(
+                    att, start, seq, valid, slots)
         if step.moe is not None and self.predictor is not None and seq == 1:
             self._prefetch(i, x, step.moe.groups[seq])
         with m.time("attention"):
             executor = self.executors[step.attention[seq]]
-            feed = {"x": x, "cos": cos, "sin": sin, "mask": masks[key], "position": self._position(start)}
+            feed = {"x": x, "cos": cos, "sin": sin, "mask": shared[key], "position": self._position(start)}
             if not executor.keeps_state:
                 feed |= {"k_cache": self.cache.k[i][:, :slots], "v_cache": self.cache.v[i][:, :slots]}
             out = self._run(step.attention[seq], feed, executor)
@@ -406,7 +420,7 @@ class Engine:
 
     @staticmethod
     def _finite(x: torch.Tensor, valid: int) -> bool:
-        return bool(torch.isfinite(x[:valid]).all())
+        return bool(torch.isfinite(x if valid == x.shape[0] else x[:valid]).all())
 
     def _graph_description(self, part: str, layer: int | None, seq: int) -> str:
         """Which graph ``part`` of ``layer`` is, in words, for :meth:`_check_finite`'s message."""

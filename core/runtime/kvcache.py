@@ -55,3 +55,26 @@ def attention_mask(att: AttentionSpec, start: int, seq: int, valid: int, capacit
     visible[pad_rows] = False
     visible[pad_rows, capacity + np.arange(seq)[pad_rows]] = True
     return torch.from_numpy(np.where(visible, 0.0, MASKED).astype(np.float32))
+
+
+class DecodeMasks:
+    """Decode's one-row masks, one per (window, cache slots), moved along a column a step instead of rebuilt:
+    the next position sees the slot just written and, under a sliding window, loses the oldest one."""
+
+    def __init__(self):
+        self._held: dict[tuple, tuple[int, torch.Tensor]] = {}
+
+    def get(self, att: AttentionSpec, start: int, slots: int) -> torch.Tensor:
+        """``attention_mask(att, start, 1, 1, slots)``, the tensor it returned for start - 1 updated in place."""
+        key = (att.sliding_window, slots)
+        held_start, mask = self._held.get(key, (None, None))
+        if held_start == start:
+            return mask
+        if held_start == start - 1:
+            mask[0, start - 1] = 0.0
+            if att.sliding_window is not None and start - att.sliding_window >= 0:
+                mask[0, start - att.sliding_window] = MASKED
+        else:
+            mask = attention_mask(att, start, 1, 1, slots)
+        self._held[key] = start, mask
+        return mask

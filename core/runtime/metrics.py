@@ -9,7 +9,8 @@ import time
 from collections import Counter, defaultdict
 
 COUNTS = ("routed", "padded", "spilled", "dropped", "rerouted", "npu_launches", "cpu_launches",
-          "executor_hits", "executor_misses", "prefetches", "prefetch_hits", "evictions")
+          "executor_hits", "executor_misses", "prefetches", "prefetch_hits", "evictions",
+          "weight_bytes")  # weights the executors read: each call reads its graph's (a whole group's, on an NPU)
 
 
 class Metrics:

@@ -43,8 +43,11 @@ class MoELayer:
     """Everything one MoE layer needs at run time, for one sequence length."""
 
     def __init__(self, layer: int, moe: MoESpec, weights, groups: list[ExpertGroup],
-                 expert_executors: Mapping[int, Callable], overflow: str = "spill", device: Worker | None = None):
+                 expert_executors: Mapping[int, Callable], overflow: str = "spill", device: Worker | None = None,
+                 expert_bytes: int = 0):
+        """``expert_bytes``: the weights one CPU expert call reads (counted as ``weight_bytes``)."""
         self.layer, self.moe, self.overflow, self.device = layer, moe, overflow, device
+        self.expert_bytes = expert_bytes
         prefix = f"layers.{layer}.moe.router"
         self.router_weight = weights[f"{prefix}.weight"]
         self.router_bias = weights[f"{prefix}.bias"] if moe.router.bias else None
@@ -70,7 +73,7 @@ class MoELayer:
         if on_route is not None:
             on_route(self.layer, experts, gates, attn_out[:valid])
         m.add("routed", experts.numel())
-        if valid == 1 and seq == 1 and bool(self.compact[experts[0]].all()):
+        if valid == 1 and seq == 1 and (not self.static or bool(self.compact[experts[0]].all())):
             return self._decode_on_cpu(z, experts[0].tolist(), gates[0], m)
         with m.time("gather"):
             layout = self._buffered_layout(experts, chunks) if chunks else self._layout(experts)
@@ -109,7 +112,8 @@ class MoELayer:
         """The static launches on the device worker while the CPU pairs run here; their outputs, and how much of
         the CPU expert time the launches' time covered."""
         def launch():
-            return self._run_groups(buf, d, layout, run, m), time.perf_counter()
+            with torch.inference_mode():  # (thread-local: the engine's caller thread is in it)
+                return self._run_groups(buf, d, layout, run, m), time.perf_counter()
 
         npu_start = time.perf_counter()
         launched = self.device.submit(launch)
@@ -181,6 +185,7 @@ class MoELayer:
             with m.running([f"L{self.layer}.cpu.e{e}" for e in experts]):
                 results = _run_side_by_side(executors, [{"x": z}] * len(experts))
             m.add("cpu_launches", len(experts))
+            m.add("weight_bytes", len(experts) * self.expert_bytes)
             return gates[None].to(z.dtype) @ torch.cat([r["y"] for r in results])  # [1, k] @ [k, H]
 
     def _run_compact(self, z: torch.Tensor, d: Dispatch, pairs_mask: torch.Tensor, m: Metrics) -> torch.Tensor:
@@ -195,6 +200,7 @@ class MoELayer:
             with m.running([f"L{self.layer}.cpu.e{e}" for e in experts]):
                 results = _run_side_by_side(executors, inputs)
             m.add("cpu_launches", len(experts))
+            m.add("weight_bytes", len(experts) * self.expert_bytes)
             for pairs_e, result in zip(mine, results):
                 out.index_add_(0, d.token[pairs_e], result["y"] * d.weight[pairs_e, None])
         return out

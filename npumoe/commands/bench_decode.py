@@ -15,9 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from npumoe.commands.bench_scale import CACHE, MODELS, write_random_checkpoint
-from npumoe.core.graphs import experts_graph
 from npumoe.core.runtime.engine import Engine
-from npumoe.core.weights import compute_bytes
 from npumoe.models.loader import load
 
 PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
@@ -31,19 +29,14 @@ def real_width_checkpoint(name: str, layers: int) -> Path:
     return write_random_checkpoint(cfg, CACHE / f"{name}-{layers}-layers")
 
 
-def graph_weight_bytes(engine: Engine, name: str) -> int:
-    """Bytes of the weights one call of graph ``name`` reads, as the engine holds them (compute dtype)."""
-    graph = engine.program.graphs.get(name)
-    if graph is None:  # a CPU expert: L{layer}.cpu.e{expert}
-        layer, expert = name[1:].split(".cpu.e")
-        graph = experts_graph(engine.spec, int(layer), (int(expert),), (1,), name)
-    return compute_bytes(engine.model.weights, graph.weight_names())
-
-
 def measure(engine: Engine, tokens: int) -> dict:
     """Decode ``tokens`` tokens after a short prompt; host = wall time not spent inside executors."""
     ids = np.asarray(engine.model.tokenizer.encode(PROMPT) if engine.model.tokenizer else range(1, 33))
     ids = ids[ids < engine.spec.vocab_size]
+    room = engine.cache.capacity - len(ids) - 1
+    if tokens > room:
+        raise click.BadParameter(f"{tokens} decode steps do not fit the {engine.cache.capacity}-slot KV cache after "
+                                 f"the {len(ids) + 1}-token prompt; time at most {room}.", param_hint="--tokens")
     token = int(engine.generate(ids, max_new_tokens=1)[0])
     engine.metrics_.reset()
     start = time.perf_counter()
@@ -55,7 +48,7 @@ def measure(engine: Engine, tokens: int) -> dict:
     host_ops = {op: s / tokens * 1e6 for op, s in sorted(m.seconds.items(), key=lambda kv: -kv[1])
                 if op not in ("decode", "executor")}
     layers = engine.spec.num_layers
-    read = sum(graph_weight_bytes(engine, g) * n for g, n in m.graph_runs.items()) / tokens
+    read = m.counts["weight_bytes"] / tokens
     return {
         "model": engine.model.name, "layers": layers, "tokens": tokens,
         "tokens_per_s": tokens / wall, "ms_per_token": wall / tokens * 1e3,

@@ -118,13 +118,14 @@ def plan_command(model_dir, profile_path, target, overflow, residency, method, m
     p = plan(model, RoutingProfile.load(profile_path), target=target, overflow=overflow, residency=residency,
              method=method, max_overflow=max_overflow, graphs_per_layer=graphs_per_layer)
     p.save(out)
-    table = Table("layer", "groups: experts, rows per shape, residency", "padded %", "overflow %", "NPU launches")
+    table = Table("layer", "groups", "padded %", "overflow %", "launches / chunk", "decode launches", "decode MB",
+                  caption="groups: experts, rows per shape, residency[, experts per decode graph]")
     for i, lp in p.layers.items():
-        groups = ", ".join(f"{len(g.experts)}, {'/'.join(str(sum(s)) for s in g.shapes) or '-'} {g.residency}"
-                           for g in lp.groups)
+        groups = "; ".join(f"{len(g.experts)}, {'/'.join(str(sum(s)) for s in g.shapes) or '-'} {g.residency}"
+                           + (f", {g.decode_experts}" if g.decode_experts else "") for g in lp.groups)
         pr = lp.predicted
-        table.add_row(str(i), groups, f"{pr['padded_pct']:.1f}",
-                      f"{pr['overflow_pct']:.1f}", f"{pr['npu_launches']:.1f}")
+        table.add_row(str(i), groups, f"{pr['padded_pct']:.1f}", f"{pr['overflow_pct']:.1f}",
+                      f"{pr['npu_launches']:.1f}", f"{pr['decode_launches']:.1f}", f"{pr['decode_weight_mb']:.1f}")
     console.print(table)
     for name, reason in p.cpu_graphs.items():
         console.print(f"[yellow]{name}[/yellow] runs on the CPU: {reason}")
@@ -132,7 +133,9 @@ def plan_command(model_dir, profile_path, target, overflow, residency, method, m
         console.print(f"[dim]{target}: {note}[/dim]")
     t = p.predicted
     console.print(f"predicted: padded {t['padded_pct']:.1f}% of NPU slots, overflow {t['overflow_pct']:.1f}% "
-                  f"of routed ({overflow}), NPU share {t['npu_share_pct']:.1f}%; wrote {out}")
+                  f"of routed ({overflow}), NPU share {t['npu_share_pct']:.1f}% (per prefill chunk); a decode token "
+                  f"launches {t['decode_launches']:.1f} expert graphs a layer, reading {t['decode_weight_mb']:.1f} MB "
+                  f"of expert weights (fp16); wrote {out}")
     if plot:
         from npumoe.core.plots import plan_figure
 

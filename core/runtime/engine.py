@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 
@@ -420,7 +421,11 @@ class Engine:
 
     @staticmethod
     def _finite(x: torch.Tensor, valid: int) -> bool:
-        return bool(torch.isfinite(x if valid == x.shape[0] else x[:valid]).all())
+        """Every value finite? A finite sum says so in one vectorised pass (a NaN or an infinity makes the sum
+        one; 152k logits take 5 µs, against 120 for isfinite().all()); only a sum that is not, which finite
+        values can also give by overflowing, is checked value by value."""
+        x = x if valid == x.shape[0] else x[:valid]
+        return math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all())
 
     def _graph_description(self, part: str, layer: int | None, seq: int) -> str:
         """Which graph ``part`` of ``layer`` is, in words, for :meth:`_check_finite`'s message."""

@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from npumoe.commands.bench_scale import CACHE, MODELS, write_random_checkpoint
+from npumoe.commands.options import dtype_option
 from npumoe.core.runtime.engine import Engine
 from npumoe.models.loader import load
 
@@ -80,18 +81,20 @@ def render(result: dict, console: Console) -> None:
 @click.option("--layers", default=2, show_default=True, type=click.IntRange(1),
               help="Layers of the real-width model (written once to the bench cache).")
 @click.option("--tokens", default=64, show_default=True, type=click.IntRange(1), help="Decode steps to time.")
+@dtype_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def bench_decode_command(model_name, layers, tokens, as_json):
+def bench_decode_command(model_name, layers, tokens, dtype, as_json):
     """Decode tokens/s, host µs per layer per token, and weight bytes per token.
 
     \b
     Examples:
       npumoe bench decode                                  # the demo model, CPU reference path
       npumoe bench decode --model qwen3-30b-a3b --layers 2  # Qwen3-30B-A3B's widths, 2 of its 48 layers
+      npumoe bench decode --model qwen3-30b-a3b --dtype bfloat16  # its weights read as stored (bf16 kernels)
     """
     console = Console(stderr=as_json)
     with console.status("loading"):
-        model = load() if model_name == "demo" else load(real_width_checkpoint(model_name, layers))
+        model = load(dtype=dtype) if model_name == "demo" else load(real_width_checkpoint(model_name, layers), dtype=dtype)
         engine = Engine(model)
     with console.status(f"decoding {tokens} tokens"):
         result = measure(engine, tokens)

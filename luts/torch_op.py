@@ -90,7 +90,12 @@ def _compute(x: torch.Tensor, weight: layout.TiledWeight) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(y)).reshape(*x.shape[:-1], n).to(x.dtype)
 
 
-BF16_GEMV_MAX_ROWS = 16  # past this, widening the matrix once for one fp32 GEMM is faster
+# Rows up to which the bf16 GEMV beats widening the matrix for torch's fp32 GEMM, per ISA. Measured on a quiet
+# 2-core AMD EPYC (768x2048, 2048x768, 4096x2048, 8192x2048; GEMV time / widen + GEMM time): the AVX-512 build
+# wins to 128 rows on all four (0.48-0.98 there, 0.15-0.87 below) and on the large ones to 256; the AVX2 build
+# loses on the small ones from 16 rows (1.2-1.6) and wins on the large ones to 128 (0.2-0.8): 16 keeps the large
+# matrices' decode and the small ones' prefill. NEON and portable keep AVX2's rule (not measured).
+BF16_GEMV_MAX_ROWS = {"avx512": 128, "avx2": 16, "neon": 16, "portable": 16}
 
 
 def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
@@ -143,11 +148,11 @@ def lut_linear_many(xs: list[torch.Tensor], linears: list[LutLinear]) -> list[to
 
 
 def _bf16_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Can the bf16 GEMV kernel take x · Wᵀ? fp32 activations of up to BF16_GEMV_MAX_ROWS rows and a
+    """Can the bf16 GEMV kernel take x · Wᵀ? fp32 activations of up to BF16_GEMV_MAX_ROWS[isa] rows and a
     C-contiguous bf16 W, outside any tracer."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    return (0 < rows <= BF16_GEMV_MAX_ROWS and x.dtype == torch.float32 and w.dtype == torch.bfloat16
+    return (0 < rows <= BF16_GEMV_MAX_ROWS[_kernels().isa] and x.dtype == torch.float32 and w.dtype == torch.bfloat16
             and w.is_contiguous() and w.shape[-1] == k and _eager(x))
 
 

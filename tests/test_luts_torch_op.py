@@ -71,18 +71,18 @@ def test_wrong_input_width_is_refused(layer):
         module(torch.randn(2, 128))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 17])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 129])  # both paths on every ISA
 def test_bf16_linear_widens_the_weight_exactly(rows):
     """The CPU executor's linear on a bf16 matrix: the kernel for few rows, torch past them; either way
     fp32 math on the widened weights (torch's F.linear on w.float() is the truth)."""
     from npumoe.core.interpreter import OP_IMPLS
-    from npumoe.luts.torch_op import BF16_GEMV_MAX_ROWS, bf16_linear
+    from npumoe.luts.torch_op import BF16_GEMV_MAX_ROWS, _kernels, bf16_linear
 
     torch.manual_seed(rows)
     w, x, b = torch.randn(70, 96).to(torch.bfloat16), torch.randn(rows, 96), torch.randn(70)
     expected = torch.nn.functional.linear(x, w.float(), b)
     torch.testing.assert_close(OP_IMPLS["linear"](x, w, b), expected, rtol=0, atol=1e-4)
-    assert (bf16_linear(x, w) is None) == (rows > BF16_GEMV_MAX_ROWS)
+    assert (bf16_linear(x, w) is None) == (rows > BF16_GEMV_MAX_ROWS[_kernels().isa])
     assert bf16_linear(x, w.T.contiguous().T) is None  # strided: torch's path
 
 
@@ -90,7 +90,7 @@ def test_bf16_linears_batched_in_one_call_equal_each_alone():
     """Several (x, W) pairs of different shapes in one kernel call give what each call alone gives, bit
     for bit, and the widened fp32 product within float rounding; any pair the kernel cannot take sends
     the whole batch back (None)."""
-    from npumoe.luts.torch_op import bf16_linear, bf16_linear_many
+    from npumoe.luts.torch_op import BF16_GEMV_MAX_ROWS, _kernels, bf16_linear, bf16_linear_many
 
     torch.manual_seed(3)
     shapes = [(1, 70, 96), (3, 1024, 64), (2, 5, 208), (16, 40, 32)]  # rows, outputs, inputs
@@ -101,7 +101,8 @@ def test_bf16_linears_batched_in_one_call_equal_each_alone():
         assert torch.equal(y, bf16_linear(x, w))
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w.float()), rtol=0, atol=1e-4)
     assert bf16_linear_many(xs, [*ws[:-1], ws[-1].float()]) is None
-    assert bf16_linear_many([*xs[:-1], torch.randn(17, 32)], ws) is None  # more rows than the kernel takes
+    too_many = torch.randn(BF16_GEMV_MAX_ROWS[_kernels().isa] + 1, 32)
+    assert bf16_linear_many([*xs[:-1], too_many], ws) is None  # more rows than the kernel takes
 
 
 def test_packed_linears_batched_in_one_call_equal_each_alone():

@@ -193,20 +193,27 @@ def test_reroute_preserves_each_tokens_weight_sum():
     np.testing.assert_allclose(y.numpy(), np.stack(expected), rtol=1e-5)  # weight renormalised to 1
 
 
-@pytest.mark.parametrize("chunk", [3, 8])
-def test_planned_engine_matches_reference_with_spill(tmp_path, chunk):
-    """A whole model under a deliberately tight plan: logits equal the unplanned program."""
+def tiny_qwen3(path):
+    """Two layers of 6 experts (top-2), written by transformers and loaded."""
     import npumoe
     from hf_compare import build_checkpoint, transformers
-    from npumoe.core.calibrate import calibrate
-    from npumoe.core.plan import plan
 
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=6, num_experts_per_tok=2,
     )
-    build_checkpoint(cfg, tmp_path)
-    model = npumoe.load(tmp_path)
+    build_checkpoint(cfg, path)
+    return npumoe.load(path)
+
+
+@pytest.mark.parametrize("chunk", [3, 8])
+def test_planned_engine_matches_reference_with_spill(tmp_path, chunk):
+    """A whole model under a deliberately tight plan: logits equal the unplanned program."""
+    import npumoe
+    from npumoe.core.calibrate import calibrate
+    from npumoe.core.plan import plan
+
+    model = tiny_qwen3(tmp_path)
     ids = np.random.default_rng(0).integers(0, 64, 40)
     profile = calibrate(model, [ids], chunk=chunk)
     tight = plan(model, profile, target="ane", residency="npu", max_overflow=0.3)
@@ -225,16 +232,10 @@ def test_decode_graphs_per_expert_read_only_the_hit_experts(tmp_path):
     import dataclasses
 
     import npumoe
-    from hf_compare import build_checkpoint, transformers
     from npumoe.core.calibrate import calibrate
     from npumoe.core.plan import plan
 
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=6, num_experts_per_tok=2,
-    )
-    build_checkpoint(cfg, tmp_path)
-    model = npumoe.load(tmp_path)
+    model = tiny_qwen3(tmp_path)
     ids = np.random.default_rng(1).integers(0, 64, 12)
     whole = plan(model, calibrate(model, [ids], chunk=4), target="ane", residency="npu")
     assert all(len(lp.groups) == 1 and lp.groups[0].decode_experts == 0 for lp in whole.layers.values())

@@ -32,7 +32,14 @@ from npumoe.luts.torch_op import torch_on_one_thread
 
 DEFAULT_CHUNK = 64
 DEFAULT_MAX_CONTEXT = 512
-CACHE_BUCKET = 256  # CPU attention reads the cache in steps of this many slots
+CACHE_BUCKET = 32  # CPU attention reads the filled cache slots rounded up to this (masks change per bucket)
+
+
+def _chunk_by_chunk(observe, sizes: list[int], layer: int, experts, weights, attn_out) -> None:
+    """A buffered prompt's routing shown to an ``on_route`` observer a chunk at a time, as unbuffered runs show it
+    (calibration counts expert loads per chunk)."""
+    for parts in zip(experts.split(sizes), weights.split(sizes), attn_out.split(sizes)):
+        observe(layer, *parts)
 
 
 # Every public run is in torch's inference mode: no autograd or version-counter bookkeeping on any op. A decode
@@ -93,7 +100,7 @@ class Engine:
         self.preload = preload or max((ls.ffn.top_k for ls in self.spec.layers if isinstance(ls.ffn, MoESpec)),
                                       default=0)
         self.moe_layers = self._moe_layers()
-        self.buffering = buffering and npu_experts and any(
+        self.buffering = buffering and any(
             step.moe is not None and step.moe.overflow == "spill" for step in self.program.layers)
         self.embedding = model.weights["embed.weight"]  # once: in fp32 from a bf16 file, a converted copy
         self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -309,8 +316,10 @@ class Engine:
                 ys = [self._feed_forward(i, z, h - x, v) for (h, z), x, v in zip(hz, xs, valid)]
             else:
                 real = lambda parts: torch.cat([p[:v] for p, v in zip(parts, valid)])  # noqa: E731
+                observer = self._route_observer()
                 y = self.moe_layers[(i, chunk)](real([z for _, z in hz]), real([h - x for (h, _), x in zip(hz, xs)]),
-                                                len(ids), self._run, m, self._route_observer(), len(starts))
+                                                len(ids), self._run, m, observer and functools.partial(
+                                                    _chunk_by_chunk, observer, valid), len(starts))
                 ys = [torch.cat([part, part.new_zeros(chunk - len(part), part.shape[1])])
                       for part in torch.split(y, valid)]
                 if step.moe.shared is not None:

@@ -109,7 +109,8 @@ NPUMOE_API int npumoe_lut_gemv(const lut_weight *w, const float *x, int m, int t
 
 /* Several one-row GEMVs in one parallel job (a decode step's experts, q/k/v): the row blocks of all the
  * matrices are numbered one after another, so the threads stream one long run of weights instead of
- * restarting (and waking) per matrix. Each result equals npumoe_lut_gemv's for its task. */
+ * restarting (and waking) per matrix. Tasks that read one activation against alike matrices (q, k, v; every
+ * expert's gate and up) share one build of its tables. Each result equals npumoe_lut_gemv's for its task. */
 typedef struct {
     const lut_weight *w;
     const float *x; /* [k] */
@@ -135,6 +136,18 @@ static void gemv_batch_range(void *ctx, int b0, int b1) {
     }
 }
 
+/* The earlier task whose tables task t can use (same activation, width, group, bits and zero-point form), or t. */
+static int table_source(const npumoe_lut_task *tasks, int t) {
+    const lut_weight *w = tasks[t].w;
+    for (int s = 0; s < t; s++) {
+        const lut_weight *v = tasks[s].w;
+        if (tasks[s].x == tasks[t].x && v->k == w->k && v->group == w->group && v->bits == w->bits &&
+            !v->zeros == !w->zeros)
+            return s;
+    }
+    return t;
+}
+
 NPUMOE_API int npumoe_lut_gemv_many(const npumoe_lut_task *tasks, int count, int table_bits, int threads) {
     size_t bytes = 1, weight_bytes = 0;
     for (int t = 0; t < count; t++) bytes += table_bytes(tasks[t].w, table_bits);
@@ -149,8 +162,13 @@ NPUMOE_API int npumoe_lut_gemv_many(const npumoe_lut_task *tasks, int count, int
     first_block[0] = 0;
     for (int t = 0; t < count; t++) {
         const lut_weight *w = tasks[t].w;
-        tables[t] = prepared_tables(w, tasks[t].x, table_bits, at);
-        at += table_bytes(w, table_bits);
+        const int source = table_source(tasks, t);
+        if (source == t) {
+            tables[t] = prepared_tables(w, tasks[t].x, table_bits, at);
+            at += table_bytes(w, table_bits);
+        } else {
+            tables[t] = tables[source];
+        }
         first_block[t + 1] = first_block[t] + w->row_blocks;
         weight_bytes += (size_t)w->row_blocks * row_block_bytes(w);
     }

@@ -138,3 +138,20 @@ def test_buffering_pads_less_and_keeps_the_logits(demo, planned):
     np.testing.assert_array_equal(buffered.generate(ids[:40], 6), per_chunk.generate(ids[:40], 6))
     assert buffered.metrics["padded"] < per_chunk.metrics["padded"]
     assert buffered.metrics["routed"] == per_chunk.metrics["routed"]
+
+
+def test_routing_traces_pair_each_chunk_with_the_state_that_entered_its_layer(demo):
+    """Three chunks a window: a trace per MoE layer and chunk, in the order the engine routes them, each holding
+    the chunk's hidden state entering the layer and the experts the engine's router chose for it."""
+    from npumoe.core.runtime.predictor import routing_traces
+
+    ids = np.asarray(demo.tokenizer.encode("def add(a, b):\n    return a + b\n" * 3))[:48]
+    routed = []
+    npumoe.Engine(demo, chunk=16, on_route=lambda layer, e, *_: routed.append((layer, e.clone()))).route(ids)
+    traces = routing_traces(demo, [ids], chunk=16)
+    layers = list(demo.spec.moe_layers)
+    assert [t[0] for t in traces] == layers * 3  # chunk-major: every layer of chunk 0, then chunk 1, ...
+    assert sorted((layer, e.tolist()) for layer, e in routed) == sorted((t[0], t[3].tolist()) for t in traces)
+    for (layer, x, previous, experts) in traces:
+        assert x.shape == (16, demo.spec.hidden_size) and experts.shape == (16, 2)
+        assert previous is None if layer == layers[0] else previous.shape == (16, 2)

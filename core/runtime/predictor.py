@@ -114,7 +114,8 @@ def routing_traces(model, windows: Iterable, chunk: int) -> list[tuple[int, torc
             entering[self.layer] = inputs["x"].clone()
             return self.executor(inputs)
 
-    engine = Engine(model, chunk=chunk, max_context=max(len(w) for w in windows), on_route=on_route)
+    # chunk by chunk (not layer-major buffering): each routing call follows its own chunk's attention
+    engine = Engine(model, chunk=chunk, max_context=max(len(w) for w in windows), on_route=on_route, buffering=False)
     for i, step in enumerate(engine.program.layers):
         if step.moe is not None:
             for name in step.attention.values():

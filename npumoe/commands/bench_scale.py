@@ -234,12 +234,15 @@ def run_steps(ckpt: Path, work: Path, steps: tuple[str, ...], console: Console) 
     text.write_text("".join(pydoc_data.topics.topics.values())[:4096])
     ids = ",".join(str(b) for b in "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a,".encode()[:64])
     model = ["--model", str(ckpt)]
+    # the checkpoint's stored dtype at every cut: --dtype auto computes a small cut in fp32 (it fits), which
+    # doubles its private memory and the bytes a token reads, and per-layer figures would not extrapolate
+    computing = [*model, "--dtype", "bfloat16"]
     runs = {
         "inspect": ["inspect", str(ckpt)],
-        "calibrate": ["calibrate", *model, "--text", str(text), "--chunk", "256", "--out", str(work / "profile.json")],
+        "calibrate": ["calibrate", *computing, "--text", str(text), "--chunk", "256", "--out", str(work / "profile.json")],
         "plan": ["plan", *model, "--profile", str(work / "profile.json"), "--target", "htp",
                  "--out", str(work / "plan.json")],
-        "generate": ["generate", *model, "--ids", ids, "-n", "16", "--chunk", "64"],
+        "generate": ["generate", *computing, "--ids", ids, "-n", "16", "--chunk", "64"],
         "quantize": ["quantize", *model, "--bits", "4", "--out", str(work / "int4")],
     }
     results = []

@@ -84,3 +84,11 @@ def test_bench_decode_refuses_more_steps_than_the_cache_holds(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "decode", "--tokens", "100000"])
     assert exit_.value.code == 2 and "time at most" in capsys.readouterr().err
+
+
+def test_host_inside_layers_leaves_out_executors_and_the_steps_own_work():
+    from npumoe.commands.bench_decode import host_inside_layers
+
+    spans = [("embed", 0, 1), ("rope_mask", 1, 2), ("executor", 3, 7), ("attention", 2, 8), ("residual", 9, 10),
+             ("rope_mask", 10, 11), ("executor", 12, 13), ("residual", 14, 15), ("executor", 16, 20)]  # LM head
+    assert host_inside_layers(spans) == (10 - 1 - 4) + (15 - 10 - 1)

@@ -262,12 +262,16 @@ def _run_step(step, env: dict) -> None:
 
 
 def _run_linears(steps: list[tuple]) -> bool:
-    """Linear steps of one kind, each with its environment, as one batched bf16 or LUT GEMV; False (nothing
-    run) where it does not apply."""
+    """Linear steps of one kind, each with its environment, as one batched bf16 or LUT GEMV (a step the kernel
+    does not take, alone); False (nothing run) where the batched call does not apply at all."""
     many = BATCHED[steps[0][0][0]]
     ys = many([env[args[0]] for (_, args, _, _), env in steps], [args[1] for (_, args, _, _), _ in steps])
     if ys is None:
         return False
-    for ((_, args, _, outputs), env), y in zip(steps, ys):
-        env[outputs[0]] = y if len(args) < 3 else y + args[2]
+    for (step, env), y in zip(steps, ys):
+        if y is None:
+            _run_step(step, env)
+        else:
+            args, outputs = step[1], step[3]
+            env[outputs[0]] = y if len(args) < 3 else y + args[2]
     return True

@@ -116,16 +116,18 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     return y
 
 
-def bf16_linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor]) -> list[torch.Tensor] | None:
-    """``bf16_linear`` of each (x, W) pair in one kernel call; None where any pair does not apply, or the
-    kernels run emulated."""
+def bf16_linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
+    """``bf16_linear`` of each (x, W) pair the kernel takes, all in one kernel call; None in the place of a pair it
+    does not take (a prefill expert with more rows than it pays for: the caller runs that one its own way), and
+    None for all when it takes none or the kernels run emulated."""
     calls = _kernels().calls
-    if not hasattr(calls, "bf16_gemv_many_at") or not all(_bf16_fits(x, w) for x, w in zip(xs, ws)):
+    fits = [_bf16_fits(x, w) for x, w in zip(xs, ws)]
+    if not hasattr(calls, "bf16_gemv_many_at") or not any(fits):
         return None
-    xs = [x.contiguous() for x in xs]
-    ys = [torch.empty(*x.shape[:-1], w.shape[0]) for x, w in zip(xs, ws)]
+    xs = [x.contiguous() if fit else x for x, fit in zip(xs, fits)]
+    ys = [torch.empty(*x.shape[:-1], w.shape[0]) if fit else None for x, w, fit in zip(xs, ws, fits)]
     calls.bf16_gemv_many_at([(w.data_ptr(), x.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], *w.shape)
-                             for x, w, y in zip(xs, ws, ys)], kernel_threads())
+                             for x, w, y in zip(xs, ws, ys) if y is not None], kernel_threads())
     return ys
 
 

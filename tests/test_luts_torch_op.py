@@ -86,10 +86,24 @@ def test_bf16_linear_widens_the_weight_exactly(rows):
     assert bf16_linear(x, w.T.contiguous().T) is None  # strided: torch's path
 
 
+@pytest.mark.parametrize("rows, outputs, inputs", [(5, 70, 96), (16, 1024, 256), (3, 37, 100), (128, 64, 2048)])
+def test_bf16_rows_computed_together_equal_each_row_alone(rows, outputs, inputs):
+    """A prefill's rows share each widened weight (AVX-512: two activation rows at a time); every output still sums
+    the same products in the same order as a one-row call: bit for bit."""
+    from npumoe.luts.torch_op import bf16_linear
+
+    torch.manual_seed(rows)
+    w, x = torch.randn(outputs, inputs).to(torch.bfloat16), torch.randn(rows, inputs)
+    together = bf16_linear(x, w)
+    assert together is not None or rows > 16  # (AVX2 and NEON take up to 16 rows)
+    if together is not None:
+        assert torch.equal(together, torch.cat([bf16_linear(x[i:i + 1], w) for i in range(rows)]))
+
+
 def test_bf16_linears_batched_in_one_call_equal_each_alone():
     """Several (x, W) pairs of different shapes in one kernel call give what each call alone gives, bit
-    for bit, and the widened fp32 product within float rounding; any pair the kernel cannot take sends
-    the whole batch back (None)."""
+    for bit, and the widened fp32 product within float rounding; a pair the kernel cannot take comes back
+    as None, the others computed."""
     from npumoe.luts.torch_op import BF16_GEMV_MAX_ROWS, _kernels, bf16_linear, bf16_linear_many
 
     torch.manual_seed(3)
@@ -100,9 +114,11 @@ def test_bf16_linears_batched_in_one_call_equal_each_alone():
     for x, w, y in zip(xs, ws, batched):
         assert torch.equal(y, bf16_linear(x, w))
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w.float()), rtol=0, atol=1e-4)
-    assert bf16_linear_many(xs, [*ws[:-1], ws[-1].float()]) is None
-    too_many = torch.randn(BF16_GEMV_MAX_ROWS[_kernels().isa] + 1, 32)
-    assert bf16_linear_many([*xs[:-1], too_many], ws) is None  # more rows than the kernel takes
+    *computed, fp32 = bf16_linear_many(xs, [*ws[:-1], ws[-1].float()])
+    assert fp32 is None and all(torch.equal(y, b) for y, b in zip(computed, batched))
+    too_many = torch.randn(BF16_GEMV_MAX_ROWS[_kernels().isa] + 1, 32)  # more rows than the kernel takes
+    assert bf16_linear_many([*xs[:-1], too_many], ws)[-1] is None
+    assert bf16_linear_many([too_many], ws[-1:]) is None
 
 
 def test_packed_linears_batched_in_one_call_equal_each_alone():

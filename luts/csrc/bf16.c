@@ -69,6 +69,40 @@ typedef struct {
     int n, k, m;
 } bf16_job;
 
+/* Finish outputs (i, r..r+rows-1) from their even/odd accumulators: the tail inputs past the last STEP, then store. */
+static void bf16_store(const bf16_job *job, int i, int r, int rows, const uint16_t *const *w, const fvec *even,
+                       const fvec *odd) {
+    const int k = job->k, kv = k / STEP * STEP;
+    const float *x = job->x + (size_t)i * k;
+    for (int j = 0; j < rows; j++) {
+        float s = hsum(even[j] + odd[j]);
+        for (int kk = kv; kk < k; kk++) s += widen1(w[j][kk]) * x[kk];
+        job->y[(size_t)i * job->n + r + j] = s;
+    }
+}
+
+#if VL == 16
+/* Two activation rows against the four weight rows: each weight vector widened once for both (prefill, where
+ * widening, not reading, bounds the loop). 16 accumulators, 4 activation and 2 weight vectors fit AVX-512's 32
+ * registers; every output sums the same products in the same order as the one-row loop, so it is bit-identical. */
+static void bf16_block_pair(const bf16_job *job, int i, const uint16_t *const *w, int r, int rows) {
+    const int kv = job->k / STEP * STEP;
+    const float *xs0 = job->split + (size_t)i * kv, *xs1 = xs0 + kv;
+    fvec ev0[BF16_ROWS] = {{0}}, od0[BF16_ROWS] = {{0}}, ev1[BF16_ROWS] = {{0}}, od1[BF16_ROWS] = {{0}};
+    for (int kk = 0; kk < kv; kk += STEP) {
+        fvec xe0, xo0, xe1, xo1, e, o;
+        memcpy(&xe0, xs0 + kk, sizeof xe0), memcpy(&xo0, xs0 + kk + VL, sizeof xo0);
+        memcpy(&xe1, xs1 + kk, sizeof xe1), memcpy(&xo1, xs1 + kk + VL, sizeof xo1);
+        for (int j = 0; j < BF16_ROWS; j++) {
+            widen_pairs(w[j] + kk, &e, &o);
+            ev0[j] += e * xe0, od0[j] += o * xo0, ev1[j] += e * xe1, od1[j] += o * xo1;
+        }
+    }
+    bf16_store(job, i, r, rows, w, ev0, od0);
+    bf16_store(job, i + 1, r, rows, w, ev1, od1);
+}
+#endif
+
 /* Rows r .. r+3 (a short last block repeats its last row; only real rows are stored). Four explicit
  * weight streams and eight accumulators stay in registers, which a loop over the rows did not. */
 static void bf16_block(const bf16_job *job, int r) {
@@ -76,8 +110,17 @@ static void bf16_block(const bf16_job *job, int r) {
     const size_t next = (size_t)BF16_ROWS * k; /* the same place in the next block, 4 rows on */
     const uint16_t *w[BF16_ROWS];
     for (int j = 0; j < BF16_ROWS; j++) w[j] = job->w + (size_t)(r + (j < rows ? j : rows - 1)) * k;
-    for (int i = 0; i < job->m; i++) {
-        const float *x = job->x + (size_t)i * k, *xs = job->split + (size_t)i * kv;
+    int i = 0;
+#if VL == 16
+    for (; i + 1 < job->m; i += 2) {
+        if (i == 0) /* the decode loop's prefetches, once per block */
+            for (int kk = 0; kk < kv; kk += 32)
+                for (int j = 0; j < BF16_ROWS; j++) __builtin_prefetch(w[j] + kk + next, 0, 2);
+        bf16_block_pair(job, i, w, r, rows);
+    }
+#endif
+    for (; i < job->m; i++) {
+        const float *xs = job->split + (size_t)i * kv;
         fvec a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0}, c0 = {0}, c1 = {0}, d0 = {0}, d1 = {0}, e, o;
         for (int kk = 0; kk < kv; kk += STEP) {
             if (i == 0 && kk % 32 == 0) /* each row's line 8 KB ahead into L1, the next block's into L2 */
@@ -91,11 +134,8 @@ static void bf16_block(const bf16_job *job, int r) {
             widen_pairs(w[2] + kk, &e, &o), c0 += e * xe, c1 += o * xo;
             widen_pairs(w[3] + kk, &e, &o), d0 += e * xe, d1 += o * xo;
         }
-        float s[BF16_ROWS] = {hsum(a0 + a1), hsum(b0 + b1), hsum(c0 + c1), hsum(d0 + d1)};
-        for (int j = 0; j < rows; j++) {
-            for (int kk = kv; kk < k; kk++) s[j] += widen1(w[j][kk]) * x[kk];
-            job->y[(size_t)i * job->n + r + j] = s[j];
-        }
+        const fvec even[BF16_ROWS] = {a0, b0, c0, d0}, odd[BF16_ROWS] = {a1, b1, c1, d1};
+        bf16_store(job, i, r, rows, w, even, odd);
     }
 }
 

@@ -64,8 +64,9 @@ class Engine:
         it was right.
         ``overlap`` runs a MoE layer's NPU launches on a worker thread while its CPU experts run; by default only
         where they run on a device (``backend`` not cpu): here, NPU-placed graphs computed by the CPU would only
-        compete with the CPU experts for its cores. ``buffering``: a prompt longer than a chunk runs layer by layer,
-        each layer's routed tokens waiting per expert for full launches (static groups under spill only)."""
+        compete with the CPU experts for its cores. ``buffering``: a prompt longer than a chunk runs layer by layer
+        (under spill only): each layer's routed tokens wait per expert for full NPU launches, and each CPU expert
+        reads its weights once for all of its tokens."""
         self.model = model
         self.backend_options = dict(backend_options or {})
         self.on_route = on_route
@@ -303,8 +304,9 @@ class Engine:
     def _prefill_buffered(self, ids: torch.Tensor, keep: str) -> torch.Tensor | None:
         """A multi-chunk prompt layer by layer: every chunk's attention, then the layer's MoE on all of the
         prompt's tokens at once, so that each expert's tokens wait for a full launch (expert-wise token
-        buffering, :meth:`MoELayer._buffered_layout`) instead of padding every chunk. Exact: attention at a
-        layer reads only that layer's cache, which the earlier chunks have written by then."""
+        buffering, :meth:`MoELayer._buffered_layout`) instead of padding every chunk, and a CPU expert's weights
+        are read once for the prompt, not once a chunk. Exact: attention at a layer reads only that layer's
+        cache, which the earlier chunks have written by then."""
         chunk, m = self.program.chunk, self.metrics_
         starts = list(range(0, len(ids), chunk))
         valid = [min(chunk, len(ids) - s) for s in starts]

@@ -63,6 +63,15 @@ class GroupPlan:
     weight_bytes: int
     decode_experts: int = 0  # experts per decode graph, in the group's order (0: the whole group, one graph)
 
+    def decode_parts(self) -> list[list[int]]:
+        """The group's experts as its decode graphs hold them."""
+        return cut(self.experts, self.decode_experts or len(self.experts))
+
+
+def cut(items, size: int) -> list:
+    """``items`` in consecutive runs of ``size`` (the last may be shorter)."""
+    return [items[a:a + size] for a in range(0, len(items), size)]
+
 
 @dataclass
 class LayerPlan:
@@ -102,12 +111,11 @@ class Plan:
                 shapes = tuple(StaticShape(f"L{layer}.experts.g{j}.p{v}", tuple(c)) for v, c in enumerate(g.shapes))
                 out.append(ExpertGroup(f"L{layer}.g{j}", tuple(g.experts), shapes, lp.overflow_cost))
             else:
-                size = g.decode_experts or len(g.experts)
-                parts = [tuple(g.experts[a:a + size]) for a in range(0, len(g.experts), size)]
+                parts = g.decode_parts()
                 for t, part in enumerate(parts):
                     suffix = "" if len(parts) == 1 else str(t)
                     shape = StaticShape(f"L{layer}.experts.g{j}.d{suffix}", (self.alignment,) * len(part))
-                    out.append(ExpertGroup(f"L{layer}.g{j}{'.' * bool(suffix)}{suffix}", part, (shape,),
+                    out.append(ExpertGroup(f"L{layer}.g{j}{'.' * bool(suffix)}{suffix}", tuple(part), (shape,),
                                            lp.overflow_cost))
         return out
 
@@ -367,9 +375,8 @@ def decode_graph_experts(hit: np.ndarray, top_k: int, per_expert_bytes: int, cap
     graph per group reads the group for the one or two experts a token hit, and a graph per expert pays a launch
     for each hit."""
     def seconds(size: int) -> float:
-        parts = [hit[a:a + size] for a in range(0, len(hit), size)]
         return sum(graph_hit(p, top_k) * (caps.dispatch_seconds + len(p) * per_expert_bytes /
-                                          caps.weight_bytes_per_second) for p in parts)
+                                          caps.weight_bytes_per_second) for p in cut(hit, size))
 
     sizes = sorted({len(hit)} | {1 << b for b in range(len(hit).bit_length()) if 1 << b < len(hit)}, reverse=True)
     return min(sizes, key=seconds)  # (the largest of equals: fewer graphs to build)
@@ -380,15 +387,13 @@ def decode_figures(hit: np.ndarray, top_k: int, groups: list[GroupPlan], per_exp
     CPU-resident experts only when hit."""
     launches = read = 0.0
     for g in groups:
-        p = hit[g.experts]
         if not g.shapes:
-            read += p.sum() * per_expert_bytes
+            read += hit[g.experts].sum() * per_expert_bytes
             continue
-        size = g.decode_experts or len(g.experts)
-        for a in range(0, len(p), size):
-            launched = graph_hit(p[a:a + size], top_k)
+        for part in g.decode_parts():
+            launched = graph_hit(hit[part], top_k)
             launches += launched
-            read += launched * len(p[a:a + size]) * per_expert_bytes
+            read += launched * len(part) * per_expert_bytes
     return {"decode_launches": float(launches), "decode_weight_mb": float(read / 1e6)}
 
 
@@ -466,7 +471,8 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
             decode = decode_graph_experts(hit[experts], profile.top_k[i], per_expert, caps) if on_npu else 0
             groups.append(GroupPlan(experts, group_shapes.tolist() if on_npu else [], "npu" if on_npu else "cpu",
                                     useful, per_expert * len(experts), 0 if decode == len(experts) else decode))
-        layers[i] = LayerPlan(groups, predict(loads, groups, lam) | decode_figures(hit, profile.top_k[i], groups, per_expert), lam)
+        predicted = predict(loads, groups, lam) | decode_figures(hit, profile.top_k[i], groups, per_expert)
+        layers[i] = LayerPlan(groups, predicted, lam)
     totals = {k: float(np.mean([lp.predicted[k] for lp in layers.values()])) for k in next(iter(layers.values())).predicted}
     return Plan(
         model=spec.fingerprint(),

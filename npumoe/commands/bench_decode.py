@@ -39,9 +39,9 @@ def host_inside_layers(spans: list[tuple[str, float, float]]) -> float:
     windows = list(zip([a for op, a, _ in spans if op == "rope_mask"], [b for op, _, b in spans if op == "residual"]))
     starts = [a for a, _ in windows]
     host = sum(b - a for a, b in windows)
-    for op, a, b in spans:  # an executor call lies wholly inside a layer's window or wholly outside every one
+    for a, b in ((a, b) for op, a, b in spans if op == "executor"):  # each wholly inside one window, or outside all
         i = bisect.bisect_right(starts, a) - 1
-        if op == "executor" and i >= 0 and b <= windows[i][1]:
+        if i >= 0 and b <= windows[i][1]:
             host -= b - a
     return host
 
@@ -117,7 +117,7 @@ def bench_decode_command(model_name, layers, tokens, dtype, as_json):
     """
     console = Console(stderr=as_json)
     with console.status("loading"):
-        model = load(dtype=dtype) if model_name == "demo" else load(real_width_checkpoint(model_name, layers), dtype=dtype)
+        model = load(None if model_name == "demo" else real_width_checkpoint(model_name, layers), dtype=dtype)
         engine = Engine(model)
     with console.status(f"decoding {tokens} tokens"):
         result = measure(engine, tokens)

@@ -240,7 +240,8 @@ def run_steps(ckpt: Path, work: Path, steps: tuple[str, ...], console: Console) 
     computing = [*model, "--dtype", "bfloat16"]
     runs = {
         "inspect": ["inspect", str(ckpt)],
-        "calibrate": ["calibrate", *computing, "--text", str(text), "--chunk", "256", "--out", str(work / "profile.json")],
+        "calibrate": ["calibrate", *computing, "--text", str(text), "--chunk", "256",
+                      "--out", str(work / "profile.json")],
         "plan": ["plan", *model, "--profile", str(work / "profile.json"), "--target", "htp",
                  "--out", str(work / "plan.json")],
         "generate": ["generate", *computing, "--ids", ids, "-n", "16", "--chunk", "64"],
@@ -262,7 +263,7 @@ def build_one_layer(ckpt: Path, work: Path, console: Console) -> list[dict]:
     measure(["calibrate", *model, "--text", str(work / "calibration.txt"), "--chunk", "256",
              "--out", str(work / "profile1.json")])
     results = []
-    cold = {**os.environ, "NPUMOE_BUILD_CACHE": str(work / "build-cache")}  # compiled here, not found in the user's cache
+    cold = {**os.environ, "NPUMOE_BUILD_CACHE": str(work / "build-cache")}  # compiled here, not found in yours
     for target in ("htp", "ane"):
         plan = work / f"plan1-{target}.json"
         measure(["plan", *model, "--profile", str(work / "profile1.json"), "--target", target, "--residency", "npu",

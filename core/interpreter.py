@@ -6,6 +6,7 @@ it. It is also the path cold experts and spilled tokens take at run time.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 
 import torch
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from npumoe.core.backend import check_feed
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op, Role
-from npumoe.luts.torch_op import bf16_linear, bf16_linear_many, lut_linear_many
+from npumoe.luts.torch_op import bf16_linear, bf16_linear_many, lut_linear_many, swiglu_expert, swiglu_experts
 
 
 def _rmsnorm(x, w, *, eps):
@@ -224,6 +225,38 @@ class TorchGraphExecutor:
                 for step, env in steps:
                     _run_step(step, env)
         return [{name: env[name] for name in e.graph.outputs} for e, env in zip(executors, envs)]
+
+
+    @functools.cached_property
+    def _swiglu(self):
+        """A plain SwiGLU expert's record for the fused kernel call, or None (asked at first use: it needs the
+        kernels, whose absence the first run, not the construction, reports)."""
+        return _swiglu_record(self.graph, self._steps)
+
+    @staticmethod
+    def combine_many(executors: list[TorchGraphExecutor], x: torch.Tensor, weights: torch.Tensor):
+        """Σ_i weights[i] · executor_i({"x": x})["y"] for one token through every expert in one kernel call (a
+        decode token's routed experts); None where that does not apply (an expert that is not a plain SwiGLU of
+        bf16 or packed matrices, another row count or dtype): the caller then runs them one way or another."""
+        records = [e._swiglu for e in executors]
+        if not records or any(r is None for r in records):
+            return None
+        return swiglu_experts(records, weights, x)
+
+
+def _swiglu_record(graph: Graph, steps: list):
+    """The fused kernel's record of a one-expert graph computing y = down(silu(gate x) ⊙ up x) with no biases, or
+    None for any other graph."""
+    if graph.kind != "experts" or len(steps) != 5 or list(graph.outputs) != ["y"]:
+        return None
+    (gate, g_args, _, (g,)), (up, u_args, _, (u,)), (act, a_args, a_attrs, (a,)), (mul, m_args, _, (h,)), \
+        (down, d_args, _, (y,)) = steps
+    linears = {_linear, _lut_linear}
+    if not (gate in linears and up in linears and down in linears and act is F.silu and not a_attrs
+            and mul is torch.mul and len(g_args) == len(u_args) == len(d_args) == 2 and g_args[0] == u_args[0] == "x"
+            and a_args == [g] and m_args == [a, u] and d_args[0] == h and y == "y"):
+        return None
+    return swiglu_expert(g_args[1], u_args[1], d_args[1])
 
 
 def _batchable(step) -> bool:

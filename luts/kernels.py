@@ -39,6 +39,18 @@ class LutTask(ctypes.Structure):
     _fields_ = [("w", _W), ("x", _P), ("y", _P)]
 
 
+class Matrix(ctypes.Structure):
+    """One matrix of a fused expert: a prepared packed weight, or (``lut`` NULL) a bf16 [n, k] one by address."""
+
+    _fields_ = [("lut", _W), ("bf16", _P), ("n", _I), ("k", _I)]
+
+
+class Swiglu(ctypes.Structure):
+    """One routed expert of ``npumoe_swiglu_experts``: down(silu(gate x) ⊙ up x)."""
+
+    _fields_ = [("gate", Matrix), ("up", Matrix), ("down", Matrix)]
+
+
 _SIGNATURES = {
     "npumoe_lut_isa": ([], ctypes.c_char_p),
     "npumoe_cpu_features": ([], ctypes.c_uint),
@@ -50,6 +62,7 @@ _SIGNATURES = {
     "npumoe_bf16_gemv": ([_P, _P, _I, _I, _I, _P, _I], ctypes.c_int),
     "npumoe_bf16_gemv_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
     "npumoe_lut_gemv_many": ([ctypes.POINTER(LutTask), _I, _I, _I], ctypes.c_int),
+    "npumoe_swiglu_experts": ([ctypes.POINTER(ctypes.POINTER(Swiglu)), _P, _I, _P, _P, _I], ctypes.c_int),
 }
 
 
@@ -136,6 +149,13 @@ class NativeCalls:
         batch = (LutTask * len(tasks))(*((ctypes.pointer(w), x, y) for w, x, y in tasks))
         if self.lib.npumoe_lut_gemv_many(batch, len(tasks), table_bits, threads):
             raise MemoryError("the LUT-GEMV could not allocate its tables")
+
+    def swiglu_experts_at(self, experts: list[Swiglu], weights: int, x: int, y: int, threads: int) -> None:
+        """y [hidden] = Σ_e weights[e] · down_e(silu(gate_e x) ⊙ up_e x) for one token, all by address (fp32):
+        a decode token's routed experts in one call, each GEMV equal to its own call's result."""
+        batch = (ctypes.POINTER(Swiglu) * len(experts))(*map(ctypes.pointer, experts))
+        if self.lib.npumoe_swiglu_experts(batch, weights, len(experts), x, y, threads):
+            raise MemoryError("the fused experts could not allocate their scratch")
 
     def tables(self, x, group, table_bits, tq, t_scales, xq):
         self.lib.npumoe_lut_tables(_ptr(x), x.shape[0], group, table_bits, _ptr(tq), _ptr(t_scales), _ptr(xq))

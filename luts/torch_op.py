@@ -10,6 +10,7 @@ dequantising each weight once.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -147,6 +148,39 @@ def lut_linear_many(xs: list[torch.Tensor], linears: list[LutLinear]) -> list[to
                            kernel_threads())
     out = [y[: lin.out_features].reshape(*x.shape[:-1], lin.out_features) for x, y, lin in zip(xs, ys, linears)]
     return [y if lin.bias is None else y + lin.bias for y, lin in zip(out, linears)]
+
+
+def swiglu_expert(gate, up, down) -> kernels.Swiglu | None:
+    """One expert's gate, up and down matrices as the fused decode call takes them: each a :class:`LutLinear`
+    without bias or a C-contiguous 2-D bf16 tensor. None where one is neither (fp32 matrices stay on torch's
+    GEMV) or the kernels run emulated. The record points into the matrices: keep them alive while it is used."""
+    if not hasattr(_kernels().calls, "swiglu_experts_at"):
+        return None
+    matrices = []
+    for w in (gate, up, down):
+        if isinstance(w, LutLinear) and w.bias is None:
+            native = w.tiled().native
+            matrices.append(kernels.Matrix(ctypes.pointer(native), None, w.out_features, w.in_features))
+        elif isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous():
+            matrices.append(kernels.Matrix(None, w.data_ptr(), *w.shape))
+        else:
+            return None
+    if matrices[0].k != matrices[2].n or matrices[2].k != matrices[0].n or matrices[1].n != matrices[0].n \
+            or matrices[1].k != matrices[0].k:
+        return None
+    return kernels.Swiglu(*matrices)
+
+
+def swiglu_experts(experts: list[kernels.Swiglu], weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+    """Σ_e weights[e] · expert_e(x) for one fp32 token x [1, hidden] (or [hidden]) in one kernel call; None where
+    it does not apply (another dtype or row count, a tracer)."""
+    hidden = experts[0].down.n
+    if not (_eager(x) and x.dtype == torch.float32 and x.numel() == hidden == x.shape[-1]):
+        return None
+    x, weights = x.contiguous(), weights.to(torch.float32).contiguous()
+    y = torch.empty_like(x)
+    _kernels().calls.swiglu_experts_at(experts, weights.data_ptr(), x.data_ptr(), y.data_ptr(), kernel_threads())
+    return y
 
 
 def _bf16_fits(x: torch.Tensor, w: torch.Tensor) -> bool:

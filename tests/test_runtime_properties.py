@@ -308,3 +308,63 @@ def test_packed_experts_side_by_side_equal_each_linear_called_alone(tmp_path, mo
     monkeypatch.setattr(interpreter, "BATCHED", {})  # every linear on its own
     for run, x, got in zip(executors, inputs, side_by_side):
         assert torch.equal(got["y"], run(x)["y"])
+
+
+@pytest.mark.parametrize("stored", ["bfloat16", "int4"])
+def test_a_tokens_experts_fused_into_one_call_equal_the_interpreted_sum(stored, tmp_path):
+    """combine_many (a decode token's SwiGLU experts in one kernel call: gate and up of all, the activation, every
+    down, the weighted sum) gives Σ_e w_e · expert_e(x) as the interpreter computes it step by step. bf16 matrices
+    to float rounding; packed ones to the LUT's own rounding (the down projection quantises its activation into
+    8-bit tables, where a last-place difference in silu can move one table entry by a step)."""
+    import npumoe
+    from npumoe.luts.quantize import quantize_checkpoint
+    from npumoe.models.loader import DEMO_DIR
+
+    if stored == "int4":
+        quantize_checkpoint(DEMO_DIR, tmp_path / "q", bits=4, group=64, linears="all")
+        model = npumoe.load(tmp_path / "q")
+    else:
+        model = npumoe.load(dtype="bfloat16")
+    layer = model.spec.moe_layers[0]
+    executors = [TorchGraphExecutor(experts_graph(model.spec, layer, (e,), (1,), f"e{e}"), model.weights)
+                 for e in (5, 0, 3)]
+    torch.manual_seed(1)
+    x, gates = torch.randn(1, model.spec.hidden_size), torch.rand(3)
+    fused = TorchGraphExecutor.combine_many(executors, x, gates)
+    interpreted = sum(w * run({"x": x})["y"] for w, run in zip(gates, executors))
+    scale = float(interpreted.abs().max())
+    torch.testing.assert_close(fused, interpreted, rtol=0, atol=(1e-6 if stored == "bfloat16" else 2e-3) * scale)
+    assert TorchGraphExecutor.combine_many(executors, torch.randn(2, model.spec.hidden_size), gates[:2]) is None
+    widened = TorchGraphExecutor(executors[0].graph, {n: model.weights[n].float() for n in executors[0].graph.weight_names()})
+    if stored == "bfloat16":  # fp32 matrices stay on torch's own GEMV
+        assert TorchGraphExecutor.combine_many([widened, *executors[1:]], x, gates) is None
+
+
+def test_decode_with_fused_experts_gives_the_interpreters_tokens(monkeypatch):
+    """The engine's decode on the demo model (bf16, every expert on the CPU) gives the same logits with the fused
+    expert call as with the interpreter's steps, and makes one fused call per MoE layer and token."""
+    import npumoe
+
+    model = npumoe.load(dtype="bfloat16")
+    prompt = np.arange(3, 40)
+
+    def decode(fused: bool) -> np.ndarray:
+        if not fused:
+            monkeypatch.setattr(TorchGraphExecutor, "combine_many", staticmethod(lambda *args: None))
+        engine = npumoe.Engine(model)
+        engine.generate(prompt, max_new_tokens=1)
+        tokens, logits = [7], []
+        for _ in range(6):
+            logits.append(engine.decode(tokens[-1]))
+            tokens.append(int(logits[-1].argmax()))
+        return np.stack(logits)
+
+    calls = []
+    original = TorchGraphExecutor.combine_many
+    monkeypatch.setattr(TorchGraphExecutor, "combine_many",
+                        staticmethod(lambda *args: calls.append(1) or original(*args)))
+    fused = decode(True)
+    assert len(calls) == 6 * len(model.spec.moe_layers)
+    interpreted = decode(False)
+    np.testing.assert_allclose(fused, interpreted, rtol=0, atol=1e-5 * np.abs(interpreted).max())
+    assert (fused.argmax(-1) == interpreted.argmax(-1)).all()

@@ -182,10 +182,13 @@ class MoELayer:
         dispatch tables (what :meth:`_run_compact` computes for one token, at a fraction of the host work)."""
         with m.time("cpu_expert_ffn"):
             executors = [self.expert_executors[e] for e in experts]
-            with m.running([f"L{self.layer}.cpu.e{e}" for e in experts]):
-                results = _run_side_by_side(executors, [{"x": z}] * len(experts))
             m.add("cpu_launches", len(experts))
             m.add("weight_bytes", len(experts) * self.expert_bytes)
+            with m.running([f"L{self.layer}.cpu.e{e}" for e in experts]):
+                y = _combined(executors, z, gates)
+                if y is not None:
+                    return y
+                results = _run_side_by_side(executors, [{"x": z}] * len(experts))
             return gates[None].to(z.dtype) @ torch.cat([r["y"] for r in results])  # [1, k] @ [k, H]
 
     def _run_compact(self, z: torch.Tensor, d: Dispatch, pairs_mask: torch.Tensor, m: Metrics) -> torch.Tensor:
@@ -236,6 +239,15 @@ class MoELayer:
             pending = pending[~torch.isin(pending, moved)]
         d.renormalise(d.fits | d.compact, target)
         return d
+
+
+def _combined(executors: list, z: torch.Tensor, gates: torch.Tensor) -> torch.Tensor | None:
+    """Σ gates[i] · executor_i(z) in one call when the executors' class offers ``combine_many`` and it applies (the
+    interpreter fuses a token's SwiGLU experts into one kernel call), else None. Duck-typed, as below."""
+    combine = getattr(type(executors[0]), "combine_many", None)
+    if combine is None or not all(type(e) is type(executors[0]) for e in executors):
+        return None
+    return combine(executors, z, gates)
 
 
 def _run_side_by_side(executors: list, inputs: list[Mapping[str, torch.Tensor]]) -> list[dict]:

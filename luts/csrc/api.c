@@ -112,12 +112,6 @@ NPUMOE_API int npumoe_lut_gemv(const lut_weight *w, const float *x, int m, int t
  * restarting (and waking) per matrix. Tasks that read one activation against alike matrices (q, k, v; every
  * expert's gate and up) share one build of its tables. Each result equals npumoe_lut_gemv's for its task. */
 typedef struct {
-    const lut_weight *w;
-    const float *x; /* [k] */
-    float *y;       /* [row_blocks*16] */
-} npumoe_lut_task;
-
-typedef struct {
     const npumoe_lut_task *tasks;
     const lut_tables *tables;
     const int *first_block; /* [count + 1]: the global number of each task's first block */

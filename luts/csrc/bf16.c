@@ -53,14 +53,6 @@ static inline float hsum(fvec v) {
     return s;
 }
 
-/* one GEMV of a batch: W [n][k] bf16, x [m][k] and y [m][n] fp32, all row-major */
-typedef struct {
-    const uint16_t *w;
-    const float *x;
-    float *y;
-    int m, n, k;
-} npumoe_bf16_task;
-
 typedef struct {
     const uint16_t *w;
     const float *x;      /* [m][k] */

@@ -84,6 +84,22 @@ void gemv_portable(const lut_weight *w, const lut_tables *t, int rb0, int rb1, f
 void dequant_tile_portable(const lut_weight *w, int rb, int kt, float *panel, int ld); /* panel [32][ld] */
 void gemm_portable(const lut_weight *w, const float *xt, int m_pad, int m, int rb0, int rb1, float *y, int ldy);
 
+/* Batched one-activation GEMVs (api.c, bf16.c): each call streams all its tasks' matrices as one run. */
+typedef struct {
+    const lut_weight *w;
+    const float *x; /* [k] */
+    float *y;       /* [row_blocks*16] */
+} npumoe_lut_task;
+NPUMOE_API int npumoe_lut_gemv_many(const npumoe_lut_task *tasks, int count, int table_bits, int threads);
+
+typedef struct { /* W [n][k] bf16, x [m][k] and y [m][n] fp32, all row-major */
+    const uint16_t *w;
+    const float *x;
+    float *y;
+    int m, n, k;
+} npumoe_bf16_task;
+NPUMOE_API int npumoe_bf16_gemv_many(const npumoe_bf16_task *tasks, int count, int threads);
+
 /* Thread pool: fn(ctx, begin, end) over contiguous chunks covering [0, units), of at least min_chunk
  * (≥ 1) units where there are enough for one chunk per thread. */
 typedef void (*lut_range_fn)(void *ctx, int begin, int end);

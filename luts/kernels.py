@@ -51,6 +51,17 @@ class Swiglu(ctypes.Structure):
     _fields_ = [("gate", Matrix), ("up", Matrix), ("down", Matrix)]
 
 
+class Attention(ctypes.Structure):
+    """One decode token's attention block for ``npumoe_attention_decode`` (luts/csrc/decode.c): matrices as in
+    :class:`Matrix`, fp32 vectors by address (NULL where absent)."""
+
+    _fields_ = [("q", Matrix), ("k", Matrix), ("v", Matrix), ("o", Matrix),
+                *((name, _P) for name in ("q_bias", "k_bias", "v_bias", "o_bias", "attn_norm", "ffn_norm", "q_norm",
+                                          "k_norm")),
+                *((name, ctypes.c_float) for name in ("norm_eps", "qk_norm_eps", "scale")),
+                *((name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "qk_norm_full", "interleaved"))]
+
+
 _SIGNATURES = {
     "npumoe_lut_isa": ([], ctypes.c_char_p),
     "npumoe_cpu_features": ([], ctypes.c_uint),
@@ -63,6 +74,8 @@ _SIGNATURES = {
     "npumoe_bf16_gemv_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
     "npumoe_lut_gemv_many": ([ctypes.POINTER(LutTask), _I, _I, _I], ctypes.c_int),
     "npumoe_swiglu_experts": ([ctypes.POINTER(ctypes.POINTER(Swiglu)), _P, _I, _P, _P, _I], ctypes.c_int),
+    "npumoe_route_softmax": ([_P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _I], None),
+    "npumoe_attention_decode": ([ctypes.POINTER(Attention), _P, _P, _P, _I, _P, _P, _I, _P, _P, _I], ctypes.c_int),
 }
 
 
@@ -156,6 +169,20 @@ class NativeCalls:
         batch = (ctypes.POINTER(Swiglu) * len(experts))(*map(ctypes.pointer, experts))
         if self.lib.npumoe_swiglu_experts(batch, weights, len(experts), x, y, threads):
             raise MemoryError("the fused experts could not allocate their scratch")
+
+    def attention_decode_at(self, block: Attention, x: int, cos: int, sin: int, position: int, k_cache: int,
+                            v_cache: int, capacity: int, h: int, z: int, threads: int) -> None:
+        """One decode token's attention block, all by address (fp32): its key and value written to slot
+        ``position`` of the caches [kv_heads, capacity, head_dim], h = x + attention and z = ffn_norm(h) filled."""
+        if self.lib.npumoe_attention_decode(ctypes.byref(block), x, cos, sin, position, k_cache, v_cache, capacity, h,
+                                            z, threads):
+            raise MemoryError("the fused attention could not allocate its scratch")
+
+    def route_softmax_at(self, z: int, w: int, experts: int, hidden: int, k: int, normalize: bool, scaling: float,
+                         logits: int, top_i: int, top_w: int, threads: int) -> None:
+        """One token's softmax routing, all by address: logits [experts] = W z (fp32), the top k experts (int64)
+        and their probabilities, renormalised if ``normalize``, times ``scaling``."""
+        self.lib.npumoe_route_softmax(z, w, experts, hidden, k, normalize, scaling, logits, top_i, top_w, threads)
 
     def tables(self, x, group, table_bits, tq, t_scales, xq):
         self.lib.npumoe_lut_tables(_ptr(x), x.shape[0], group, table_bits, _ptr(tq), _ptr(t_scales), _ptr(xq))

@@ -21,6 +21,7 @@ from npumoe.core.backend import Executor
 from npumoe.core.interpreter import TorchGraphExecutor
 from npumoe.core.program import Program, build_program
 from npumoe.core.rope import cos_sin, short_context
+from npumoe.core.runtime.fused import attention_block
 from npumoe.core.runtime.kvcache import DecodeMasks, KVCache, attention_mask
 from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.moe import MoELayer
@@ -28,7 +29,7 @@ from npumoe.core.runtime.residency import ResidentExecutors
 from npumoe.core.spec import MoESpec
 from npumoe.core.weights import compute_bytes
 from npumoe.errors import InputError, NumericError
-from npumoe.luts.torch_op import torch_on_one_thread
+from npumoe.luts.torch_op import AttentionBlock, torch_on_one_thread
 
 DEFAULT_CHUNK = 64
 DEFAULT_MAX_CONTEXT = 512
@@ -106,6 +107,7 @@ class Engine:
         self.embedding = model.weights["embed.weight"]  # once: in fp32 from a bf16 file, a converted copy
         self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._decode_masks = DecodeMasks()
+        self._fused_attention_blocks: dict[int, AttentionBlock | None] = {}
         self._start_position: tuple[int, torch.Tensor] = (-1, torch.zeros(1, dtype=torch.int32))
         self.rope_limit = min(filter(None, (short_context(ls.attention.rope) for ls in self.spec.layers)), default=None)
 
@@ -358,12 +360,25 @@ class Engine:
             self._prefetch(i, x, step.moe.groups[seq])
         with m.time("attention"):
             executor = self.executors[step.attention[seq]]
+            if seq == 1 and (block := self._fused_attention(i, executor)) is not None:
+                out = self._run(step.attention[seq], {}, lambda _: block(x, cos, sin, start, self.cache.k[i],
+                                                                         self.cache.v[i]))
+                if out is not None:  # (its key and value are in the cache)
+                    return out
             feed = {"x": x, "cos": cos, "sin": sin, "mask": shared[key], "position": self._position(start)}
             if not executor.keeps_state:
                 feed |= {"k_cache": self.cache.k[i][:, :slots], "v_cache": self.cache.v[i][:, :slots]}
             out = self._run(step.attention[seq], feed, executor)
         self.cache.write(i, out["k_new"], out["v_new"], start, valid)
         return out["h"], out["z"]
+
+    def _fused_attention(self, i: int, executor) -> AttentionBlock | None:
+        """Layer ``i``'s attention block as one kernel call for a decode token, where the interpreter runs it
+        (not a device) and the fused call covers its form (:mod:`npumoe.core.runtime.fused`); built at first use."""
+        if i not in self._fused_attention_blocks:
+            self._fused_attention_blocks[i] = (attention_block(self.spec, i, self.model.weights)
+                                               if type(executor) is TorchGraphExecutor else None)
+        return self._fused_attention_blocks[i]
 
     def _position(self, start: int) -> torch.Tensor:
         """The attention graphs' ``position`` input: one tensor per step, shared by its layers."""

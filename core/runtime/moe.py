@@ -35,6 +35,7 @@ from npumoe.core.runtime.dispatch import Dispatch, Layout, assign, combine, gath
 from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.router import all_scores, route
 from npumoe.core.spec import MoESpec
+from npumoe.luts.torch_op import softmax_route
 
 Run = Callable[[str, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -52,6 +53,7 @@ class MoELayer:
         self.router_weight = weights[f"{prefix}.weight"]
         self.router_bias = weights[f"{prefix}.bias"] if moe.router.bias else None
         self.correction = weights[f"{prefix}.correction_bias"] if moe.router.correction_bias else None
+        self._router_fp32: torch.Tensor | None = None  # the decode router's matrix, at first use
         self.static = [g for g in groups if g.shapes]
         self._shape_capacities = [torch.tensor([s.capacities for s in g.shapes]) for g in self.static]  # [V, G]
         self._layouts: dict[tuple[int, ...], Layout] = {}
@@ -68,8 +70,9 @@ class MoELayer:
         layer, that many chunks of them, and each static group launches on them as :meth:`_buffered_layout` says."""
         seq = z.shape[0]
         with m.time("router"):
-            experts, gates, logits = route(z[:valid], self.moe.router, self.router_weight, self.router_bias,
-                                           self.correction)
+            routed = self._route_one(z) if seq == valid == 1 else None
+            experts, gates, logits = routed or route(z[:valid], self.moe.router, self.router_weight, self.router_bias,
+                                                     self.correction)
         if on_route is not None:
             on_route(self.layer, experts, gates, attn_out[:valid])
         m.add("routed", experts.numel())
@@ -107,6 +110,16 @@ class MoELayer:
         if y_cpu is not None:
             y += y_cpu
         return y
+
+    def _route_one(self, z: torch.Tensor):
+        """A decode token's softmax routing in one kernel call, where the router is plain softmax top-k (no bias,
+        no correction) over an fp32 matrix; None elsewhere (:func:`route` then)."""
+        router = self.moe.router
+        if router.scoring != "softmax" or self.router_bias is not None or self.correction is not None:
+            return None
+        if self._router_fp32 is None:  # (a bf16 router widened once, not every token: E·H·4 bytes)
+            self._router_fp32 = self.router_weight.float().contiguous()
+        return softmax_route(z, self._router_fp32, router.top_k, router.normalize, router.routed_scaling)
 
     def _overlapped(self, buf, z, d, layout, cpu_pairs, run: Run, m: Metrics):
         """The static launches on the device worker while the CPU pairs run here; their outputs, and how much of

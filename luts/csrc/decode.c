@@ -1,0 +1,258 @@
+/* A decode token's blocks in one call each: the attention block (norm, q/k/v, rope, the cache, attention, o, the
+ * residual and the next norm) and the routed experts (Σ_e weight_e · down_e(silu(gate_e x) ⊙ up_e x)).
+ *
+ * Through the graph interpreter a token's layer is some forty Python-level steps, each a trip through host state
+ * that the weights streamed since have evicted: at Qwen3-30B-A3B widths ~300 µs of attention and ~370 µs of
+ * experts a layer beside ~650 µs of weight reads. Here each block is a few parallel jobs: the matrices that read
+ * one activation streamed as one run on one table build (q, k, v; every expert's gate and up), then the rest.
+ * The matrices are bf16 or LUT-packed, per matrix; each GEMV equals its own call's result bit for bit, and the
+ * small steps between them are the graph ops' arithmetic in another summation order.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "lut.h"
+
+typedef struct {
+    const lut_weight *lut; /* packed, or NULL for bf16 */
+    const uint16_t *bf16;  /* [n][k] */
+    int n, k;
+} npumoe_matrix;
+
+typedef struct {
+    npumoe_matrix gate, up, down; /* gate, up [inter][hidden]; down [hidden][inter] */
+} npumoe_swiglu;
+
+static int padded_rows(const npumoe_matrix *m) { return m->lut ? m->lut->row_blocks * LUT_ROWS : m->n; }
+
+/* y_i = x_i · W_iᵀ for each of `count` matrices: the LUT ones in one job (8-bit tables, as the decode path's GEMV),
+ * the bf16 ones in another. */
+static int gemv_each(const npumoe_matrix *const *m, const float *const *x, float *const *y, int count, int threads) {
+    npumoe_lut_task lut[2 * count + 1];
+    npumoe_bf16_task bf16[2 * count + 1];
+    int luts = 0, bf16s = 0;
+    for (int i = 0; i < count; i++)
+        if (m[i]->lut)
+            lut[luts++] = (npumoe_lut_task){m[i]->lut, x[i], y[i]};
+        else
+            bf16[bf16s++] = (npumoe_bf16_task){m[i]->bf16, x[i], y[i], 1, m[i]->n, m[i]->k};
+    if (luts && npumoe_lut_gemv_many(lut, luts, 8, threads)) return -1;
+    if (bf16s && npumoe_bf16_gemv_many(bf16, bf16s, threads)) return -1;
+    return 0;
+}
+
+/* y [hidden] = Σ_e weights[e] · expert_e(x), summed in expert order. Returns -1 if it cannot allocate. */
+NPUMOE_API int npumoe_swiglu_experts(const npumoe_swiglu *const *experts, const float *weights, int count,
+                                     const float *x, float *y, int threads) {
+    if (count <= 0) return 0;
+    const int hidden = experts[0]->down.n;
+    size_t floats = 0;
+    for (int e = 0; e < count; e++)
+        floats += (size_t)padded_rows(&experts[e]->gate) + padded_rows(&experts[e]->up) + padded_rows(&experts[e]->down);
+    float *scratch = malloc(sizeof(float) * (floats + 1));
+    if (!scratch) return -1;
+    const npumoe_matrix *m[2 * count];
+    const float *in[2 * count];
+    float *out[2 * count], *at = scratch;
+    for (int e = 0; e < count; e++) {
+        m[2 * e] = &experts[e]->gate, m[2 * e + 1] = &experts[e]->up;
+        in[2 * e] = in[2 * e + 1] = x;
+        out[2 * e] = at, at += padded_rows(&experts[e]->gate);
+        out[2 * e + 1] = at, at += padded_rows(&experts[e]->up);
+    }
+    int failed = gemv_each(m, in, out, 2 * count, threads);
+    for (int e = 0; e < count && !failed; e++) { /* silu(gate) ⊙ up into gate's buffer: down's activation */
+        float *g = out[2 * e];
+        const float *u = out[2 * e + 1];
+        for (int i = 0; i < experts[e]->gate.n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        m[e] = &experts[e]->down, in[e] = g, out[e] = at, at += padded_rows(&experts[e]->down);
+    }
+    if (!failed) failed = gemv_each(m, in, out, count, threads);
+    if (!failed)
+        for (int i = 0; i < hidden; i++) {
+            float s = 0.0f;
+            for (int e = 0; e < count; e++) s += weights[e] * out[e][i];
+            y[i] = s;
+        }
+    free(scratch);
+    return failed;
+}
+
+/* ---- attention ---- */
+
+/* Cache bytes a token's attention reads from which its heads are split over the threads (below, a hand-off costs
+ * more than it saves). */
+#define KV_THREADED_BYTES (1 << 18)
+
+#if defined(__AVX512F__)
+#define DVL 16
+#else
+#define DVL 8
+#endif
+typedef float dvec __attribute__((vector_size(DVL * 4)));
+
+static float dot(const float *a, const float *b, int n) {
+    dvec acc = {0};
+    int i = 0;
+    for (; i + DVL <= n; i += DVL) {
+        dvec va, vb;
+        memcpy(&va, a + i, sizeof va), memcpy(&vb, b + i, sizeof vb);
+        acc += va * vb;
+    }
+    float s = 0.0f;
+    for (int l = 0; l < DVL; l++) s += acc[l];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static void axpy(float *y, float a, const float *x, int n) { /* y += a · x */
+    const dvec va = (dvec){0} + a;
+    int i = 0;
+    for (; i + DVL <= n; i += DVL) {
+        dvec vy, vx;
+        memcpy(&vy, y + i, sizeof vy), memcpy(&vx, x + i, sizeof vx);
+        vy += va * vx;
+        memcpy(y + i, &vy, sizeof vy);
+    }
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* out = x · rsqrt(mean(x²) + eps) · w (out may be x) */
+static void rms_norm(float *out, const float *x, const float *w, int n, float eps) {
+    const float r = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+/* Rotary embedding of one head in place: cos/sin rows hold each frequency twice (halves repeated), as cos_sin
+ * gives them; pairs (i, i + D/2), or with `interleaved` (2i, 2i + 1) with entry i. */
+static void rope(float *x, const float *cos, const float *sin, int d, int interleaved) {
+    for (int i = 0; i < d / 2; i++) {
+        const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + d / 2;
+        const int ca = interleaved ? i : a, cb = interleaved ? i : b;
+        const float xa = x[a], xb = x[b];
+        x[a] = xa * cos[ca] - xb * sin[ca];
+        x[b] = xb * cos[cb] + xa * sin[cb];
+    }
+}
+
+typedef struct {
+    npumoe_matrix q, k, v, o;
+    const float *q_bias, *k_bias, *v_bias, *o_bias; /* or NULL */
+    const float *attn_norm, *ffn_norm;              /* [hidden] */
+    const float *q_norm, *k_norm;                   /* [head_dim] per head, or all heads' (qk_norm_full), or NULL */
+    float norm_eps, qk_norm_eps, scale;
+    int hidden, heads, kv_heads, head_dim, qk_norm_full, interleaved;
+} npumoe_attention;
+
+typedef struct {
+    const npumoe_attention *a;
+    const float *q, *k_cache, *v_cache; /* q [heads][D]; caches [kv_heads][capacity][D] */
+    float *scores, *out;                /* [heads][slots], [heads][D] */
+    int slots, capacity;
+} attention_job;
+
+static void attention_heads(void *ctx, int h0, int h1) {
+    const attention_job *job = ctx;
+    const int d = job->a->head_dim, groups = job->a->heads / job->a->kv_heads, n = job->slots;
+    for (int h = h0; h < h1; h++) {
+        const float *q = job->q + (size_t)h * d;
+        const float *k = job->k_cache + (size_t)(h / groups) * job->capacity * d;
+        const float *v = job->v_cache + (size_t)(h / groups) * job->capacity * d;
+        float *s = job->scores + (size_t)h * n, *out = job->out + (size_t)h * d, top = -INFINITY, sum = 0.0f;
+        for (int j = 0; j < n; j++) s[j] = job->a->scale * dot(q, k + (size_t)j * d, d), top = s[j] > top ? s[j] : top;
+        for (int j = 0; j < n; j++) s[j] = expf(s[j] - top), sum += s[j];
+        memset(out, 0, sizeof(float) * d);
+        for (int j = 0; j < n; j++) axpy(out, s[j] / sum, v + (size_t)j * d, d);
+    }
+}
+
+static void add_bias(float *y, const float *bias, int n) {
+    if (bias)
+        for (int i = 0; i < n; i++) y[i] += bias[i];
+}
+
+/* The attention block of one decode token at `position`: its key and value written to the caches' slot
+ * `position` ([kv_heads][capacity][head_dim] fp32 each), attention over slots 0..position, then
+ * h = x + o(attention) and z = ffn_norm(h). Returns -1 if it cannot allocate. */
+NPUMOE_API int npumoe_attention_decode(const npumoe_attention *a, const float *x, const float *cos, const float *sin,
+                                       int position, float *k_cache, float *v_cache, int capacity, float *h, float *z,
+                                       int threads) {
+    const int d = a->head_dim, nq = a->heads * d, nk = a->kv_heads * d, slots = position + 1;
+    const size_t floats = (size_t)a->hidden + padded_rows(&a->q) + padded_rows(&a->k) + padded_rows(&a->v) + nq +
+                          padded_rows(&a->o) + (size_t)a->heads * slots;
+    float *scratch = malloc(sizeof(float) * floats);
+    if (!scratch) return -1;
+    float *xn = scratch, *q = xn + a->hidden, *k = q + padded_rows(&a->q), *v = k + padded_rows(&a->k);
+    float *attn = v + padded_rows(&a->v), *o = attn + nq, *scores = o + padded_rows(&a->o);
+    rms_norm(xn, x, a->attn_norm, a->hidden, a->norm_eps);
+    const npumoe_matrix *m[3] = {&a->q, &a->k, &a->v};
+    const float *in[3] = {xn, xn, xn};
+    float *out[3] = {q, k, v};
+    int failed = gemv_each(m, in, out, 3, threads);
+    if (!failed) {
+        add_bias(q, a->q_bias, nq), add_bias(k, a->k_bias, nk), add_bias(v, a->v_bias, nk);
+        if (a->q_norm && a->qk_norm_full) {
+            rms_norm(q, q, a->q_norm, nq, a->qk_norm_eps);
+            rms_norm(k, k, a->k_norm, nk, a->qk_norm_eps);
+        }
+        for (int hd = 0; hd < a->heads; hd++) {
+            if (a->q_norm && !a->qk_norm_full) rms_norm(q + hd * d, q + hd * d, a->q_norm, d, a->qk_norm_eps);
+            rope(q + hd * d, cos, sin, d, a->interleaved);
+        }
+        for (int g = 0; g < a->kv_heads; g++) {
+            if (a->k_norm && !a->qk_norm_full) rms_norm(k + g * d, k + g * d, a->k_norm, d, a->qk_norm_eps);
+            rope(k + g * d, cos, sin, d, a->interleaved);
+            memcpy(k_cache + ((size_t)g * capacity + position) * d, k + g * d, sizeof(float) * d);
+            memcpy(v_cache + ((size_t)g * capacity + position) * d, v + g * d, sizeof(float) * d);
+        }
+        attention_job job = {a, q, k_cache, v_cache, scores, attn, slots, capacity};
+        lut_parallel(attention_heads, &job, a->heads, (size_t)slots * nk * 8 > KV_THREADED_BYTES ? threads : 1, 1);
+        const npumoe_matrix *mo = &a->o;
+        const float *in_o = attn;
+        failed = gemv_each(&mo, &in_o, &o, 1, threads);
+    }
+    if (!failed) {
+        add_bias(o, a->o_bias, a->hidden);
+        for (int i = 0; i < a->hidden; i++) h[i] = x[i] + o[i];
+        rms_norm(z, h, a->ffn_norm, a->hidden, a->norm_eps);
+    }
+    free(scratch);
+    return failed;
+}
+
+/* ---- routing ---- */
+
+typedef struct {
+    const float *z, *w;
+    float *logits;
+    int hidden;
+} router_job;
+
+static void router_rows(void *ctx, int e0, int e1) {
+    const router_job *job = ctx;
+    for (int e = e0; e < e1; e++) job->logits[e] = dot(job->z, job->w + (size_t)e * job->hidden, job->hidden);
+}
+
+/* A decode token's softmax routing: logits [experts] = W z (W [experts][hidden] fp32), probabilities by softmax,
+ * the k most probable (the lower index first among equals) into top_i / top_w, renormalised to sum to 1 when
+ * `normalize`, then times `scaling`. */
+NPUMOE_API void npumoe_route_softmax(const float *z, const float *w, int experts, int hidden, int k, int normalize,
+                                     float scaling, float *logits, int64_t *top_i, float *top_w, int threads) {
+    router_job job = {z, w, logits, hidden};
+    lut_parallel(router_rows, &job, experts, threads, (int)(LUT_STREAM_CHUNK / ((size_t)hidden * 4 + 1)) + 1);
+    float top = -INFINITY, sum = 0.0f, picked = 0.0f;
+    for (int e = 0; e < experts; e++) top = logits[e] > top ? logits[e] : top;
+    float p[experts];
+    for (int e = 0; e < experts; e++) p[e] = expf(logits[e] - top), sum += p[e];
+    for (int e = 0; e < experts; e++) p[e] /= sum;
+    unsigned char taken[experts];
+    memset(taken, 0, sizeof taken);
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < experts; e++)
+            if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+        taken[best] = 1, top_i[j] = best, top_w[j] = p[best], picked += p[best];
+    }
+    for (int j = 0; j < k; j++) top_w[j] = (normalize ? top_w[j] / picked : top_w[j]) * scaling;
+}

@@ -1,0 +1,142 @@
+"""A decode token's attention block, routing and routed experts as one kernel call each (luts/csrc/decode.c) against the
+graph interpreter running the same graphs step by step (itself checked against transformers in test_family_*),
+for every attention form the fused call covers: q/k norms per head (Qwen3) and over all heads (OLMoE), q/k/v biases
+with a shared expert (Qwen2-MoE), plain (Mixtral); bf16 and packed matrices."""
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+import npumoe
+from hf_compare import build_checkpoint, transformers
+from npumoe.core import interpreter
+from npumoe.core.runtime import engine as engine_module
+from npumoe.core.runtime import moe as moe_module
+from npumoe.luts import kernels, torch_op
+
+SMALL = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             num_experts_per_tok=2, max_position_embeddings=256, eos_token_id=96)
+FAMILIES = {
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SMALL, intermediate_size=40, moe_intermediate_size=24,
+                                                     head_dim=16, num_experts=6, norm_topk_prob=True),
+    "olmoe": lambda: transformers.OlmoeConfig(**SMALL, intermediate_size=24, num_experts=8),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**SMALL, intermediate_size=40, moe_intermediate_size=24,
+                                                     shared_expert_intermediate_size=32, num_experts=6),
+    "mixtral": lambda: transformers.MixtralConfig(**SMALL, intermediate_size=24, num_local_experts=6),
+}
+
+
+def decode(model, fused: bool, monkeypatch, steps: int = 12):
+    """Logits of ``steps`` greedy decode tokens after a 21-token prompt, the KV cache after them, and how many
+    fused attention and expert calls ran."""
+    calls = {"attention": 0, "routing": 0, "experts": 0}
+    with monkeypatch.context() as patch:
+        if fused:
+            build, combine = engine_module.attention_block, interpreter.TorchGraphExecutor.combine_many
+            route = moe_module.softmax_route
+            patch.setattr(moe_module, "softmax_route",
+                          lambda *a: calls.__setitem__("routing", calls["routing"] + 1) or route(*a))
+
+            def counted_block(*args):
+                block = build(*args)
+                return None if block is None else lambda *a: calls.__setitem__("attention", calls["attention"] + 1) \
+                    or block(*a)
+
+            patch.setattr(engine_module, "attention_block", counted_block)
+            patch.setattr(interpreter.TorchGraphExecutor, "combine_many", staticmethod(
+                lambda *a: calls.__setitem__("experts", calls["experts"] + 1) or combine(*a)))
+        else:
+            patch.setattr(engine_module, "attention_block", lambda *args: None)
+            patch.setattr(moe_module, "softmax_route", lambda *args: None)
+            patch.setattr(interpreter.TorchGraphExecutor, "combine_many", staticmethod(lambda *args: None))
+        engine = npumoe.Engine(model, chunk=8)
+        engine.generate(np.arange(3, 24) % model.spec.vocab_size, max_new_tokens=1)
+        tokens, logits = [7], []
+        for _ in range(steps):
+            logits.append(engine.decode(tokens[-1]))
+            tokens.append(int(logits[-1].argmax()))
+        cache = [t[:, :engine.cache.length].clone() for t in (*engine.cache.k, *engine.cache.v)]
+    return np.stack(logits), cache, calls
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fused_decode_equals_the_interpreter_in_bf16(family, tmp_path, monkeypatch):
+    """bf16 matrices (widened exactly in both paths): the same logits to float rounding, the same tokens, the same
+    keys and values in the cache; a token makes one fused attention call a layer, one routing and one expert call a
+    MoE layer."""
+    build_checkpoint(FAMILIES[family](), tmp_path)
+    model = npumoe.load(tmp_path, dtype="bfloat16")
+    fused, fused_cache, calls = decode(model, True, monkeypatch)
+    interpreted, cache, _ = decode(model, False, monkeypatch)
+    moe_layers = len(model.spec.moe_layers)
+    assert calls == {"attention": 12 * model.spec.num_layers, "routing": 12 * moe_layers, "experts": 12 * moe_layers}
+    np.testing.assert_allclose(fused, interpreted, rtol=0, atol=2e-5 * np.abs(interpreted).max())
+    assert (fused.argmax(-1) == interpreted.argmax(-1)).all()
+    for mine, theirs in zip(fused_cache, cache):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=2e-5 * float(theirs.abs().max()))
+
+
+@pytest.mark.parametrize("isa", kernels.available())
+def test_fused_decode_of_packed_matrices_stays_within_the_luts_rounding(isa, tmp_path, monkeypatch):
+    """Every linear packed at 4 bits (npumoe quantize --linears all), on every kernel build this CPU runs: each GEMV
+    is the interpreter's bit for bit, but a last-place difference in a norm can move one 8-bit table entry of the
+    next GEMV's activation by a step, so the logits agree as closely as the interpreter agrees with itself on an
+    input moved by 1e-7."""
+    from npumoe.luts.quantize import quantize_checkpoint
+
+    monkeypatch.setenv("NPUMOE_LUT_KERNEL", isa)
+    torch_op._kernels.cache_clear()
+    monkeypatch.setattr(torch_op, "_kernels", functools.cache(torch_op._kernels.__wrapped__))  # forgotten after
+
+    widths = dict(SMALL, hidden_size=64)  # every matrix's inputs a multiple of the 32-input group
+    config = transformers.Qwen3MoeConfig(**widths, intermediate_size=64, moe_intermediate_size=32, head_dim=16,
+                                         num_experts=6, norm_topk_prob=True)
+    build_checkpoint(config, tmp_path / "hf")
+    quantize_checkpoint(tmp_path / "hf", tmp_path / "q", bits=4, group=32, linears="all")
+    model = npumoe.load(tmp_path / "q")
+    fused, _, calls = decode(model, True, monkeypatch)
+    interpreted, _, _ = decode(model, False, monkeypatch)
+    assert calls["attention"] == 12 * model.spec.num_layers and calls["experts"] == 12 * len(model.spec.moe_layers)
+    with monkeypatch.context() as patch:
+        embed = engine_module.Engine._embed
+        patch.setattr(engine_module.Engine, "_embed", lambda self, ids, valid: embed(self, ids, valid) * (1 + 1e-7))
+        nudged, _, _ = decode(model, False, monkeypatch)
+    sensitivity = np.abs(nudged - interpreted).max()
+    scale = np.abs(interpreted).max()
+    assert np.abs(fused - interpreted).max() <= max(4 * sensitivity, 1e-5 * scale)
+
+
+def test_forms_the_fused_attention_does_not_cover_keep_the_interpreter(tmp_path, monkeypatch):
+    """fp32 matrices, a sliding window: no fused block, and decode runs as before."""
+    from npumoe.core.runtime.fused import attention_block
+
+    build_checkpoint(FAMILIES["mixtral"](), tmp_path)
+    assert attention_block(npumoe.load(tmp_path).spec, 0, npumoe.load(tmp_path).weights) is None  # fp32
+    bf16 = npumoe.load(tmp_path, dtype="bfloat16")
+    assert attention_block(bf16.spec, 0, bf16.weights) is not None
+    import dataclasses
+
+    layer = bf16.spec.layers[0]
+    windowed = dataclasses.replace(layer, attention=dataclasses.replace(layer.attention, sliding_window=8))
+    spec = dataclasses.replace(bf16.spec, layers=(windowed, *bf16.spec.layers[1:]))
+    assert attention_block(spec, 0, bf16.weights) is None
+
+
+@pytest.mark.parametrize("experts, top_k, normalize, scaling", [(6, 2, True, 1.0), (128, 8, False, 2.5), (60, 1, True, 1.0)])
+def test_softmax_routing_in_one_call_equals_route(experts, top_k, normalize, scaling):
+    """The fused decode router picks route()'s experts in route()'s order, with its weights and logits to float
+    rounding; a router it does not cover (a bias) is left to route()."""
+    from npumoe.core.runtime.router import route
+    from npumoe.core.spec import RouterSpec
+
+    g = torch.Generator().manual_seed(experts)
+    z, w = torch.randn(1, 256, generator=g), torch.randn(experts, 256, generator=g)
+    spec = RouterSpec(top_k=top_k, normalize=normalize, routed_scaling=scaling)
+    top_i, top_w, logits = torch_op.softmax_route(z, w, top_k, normalize, scaling)
+    want_i, want_w, want_logits = route(z, spec, w)
+    assert torch.equal(top_i, want_i)
+    torch.testing.assert_close(top_w, want_w, rtol=1e-4, atol=0)  # (a logit off by δ moves its weight by ~δ)
+    torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5 * float(want_logits.abs().max()))
+    assert torch_op.softmax_route(z.double(), w, top_k, normalize, scaling) is None

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from npumoe.core.backend import check_feed
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op, Role
-from npumoe.luts.torch_op import bf16_linear, bf16_linear_many, lut_linear_many, swiglu_expert, swiglu_experts
+from npumoe.luts.decode import swiglu_expert, swiglu_experts
+from npumoe.luts.torch_op import bf16_linear, bf16_linear_many, lut_linear_many
 
 
 def _rmsnorm(x, w, *, eps):
@@ -228,9 +229,10 @@ class TorchGraphExecutor:
 
 
     @functools.cached_property
-    def _swiglu(self):
-        """A plain SwiGLU expert's record for the fused kernel call, or None (asked at first use: it needs the
-        kernels, whose absence the first run, not the construction, reports)."""
+    def fused_expert(self):
+        """This graph's record for the fused expert kernel calls when it is one plain SwiGLU expert of bf16 or packed
+        matrices, else None (asked at first use: it needs the kernels, whose absence the first run, not the
+        construction, reports)."""
         return _swiglu_record(self.graph, self._steps)
 
     @staticmethod
@@ -238,7 +240,7 @@ class TorchGraphExecutor:
         """Σ_i weights[i] · executor_i({"x": x})["y"] for one token through every expert in one kernel call (a
         decode token's routed experts); None where that does not apply (an expert that is not a plain SwiGLU of
         bf16 or packed matrices, another row count or dtype): the caller then runs them one way or another."""
-        records = [e._swiglu for e in executors]
+        records = [e.fused_expert for e in executors]
         if not records or any(r is None for r in records):
             return None
         return swiglu_experts(records, weights, x)

@@ -51,6 +51,14 @@ class Swiglu(ctypes.Structure):
     _fields_ = [("gate", Matrix), ("up", Matrix), ("down", Matrix)]
 
 
+class MoE(ctypes.Structure):
+    """One MoE layer for ``npumoe_moe_decode``: an fp32 router [experts, hidden] by address, every expert's record,
+    and the softmax routing's parameters."""
+
+    _fields_ = [("router", _P), ("experts", ctypes.POINTER(ctypes.POINTER(Swiglu))), ("num_experts", _I),
+                ("hidden", _I), ("top_k", _I), ("normalize", _I), ("scaling", ctypes.c_float)]
+
+
 class Attention(ctypes.Structure):
     """One decode token's attention block for ``npumoe_attention_decode`` (luts/csrc/decode.c): matrices as in
     :class:`Matrix`, fp32 vectors by address (NULL where absent)."""
@@ -60,6 +68,14 @@ class Attention(ctypes.Structure):
                                           "k_norm")),
                 *((name, ctypes.c_float) for name in ("norm_eps", "qk_norm_eps", "scale")),
                 *((name, _I) for name in ("hidden", "heads", "kv_heads", "head_dim", "qk_norm_full", "interleaved"))]
+
+
+class Layer(ctypes.Structure):
+    """One layer of ``npumoe_decode_layers``: its attention and MoE records, its caches and rope tables by address,
+    and the positions both hold."""
+
+    _fields_ = [("attention", ctypes.POINTER(Attention)), ("moe", ctypes.POINTER(MoE)), ("k_cache", _P),
+                ("v_cache", _P), ("cos", _P), ("sin", _P), ("capacity", _I)]
 
 
 _SIGNATURES = {
@@ -75,6 +91,9 @@ _SIGNATURES = {
     "npumoe_lut_gemv_many": ([ctypes.POINTER(LutTask), _I, _I, _I], ctypes.c_int),
     "npumoe_swiglu_experts": ([ctypes.POINTER(ctypes.POINTER(Swiglu)), _P, _I, _P, _P, _I], ctypes.c_int),
     "npumoe_route_softmax": ([_P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _I], None),
+    "npumoe_moe_decode": ([ctypes.POINTER(MoE), _P, _P, _P, _P, _P, ctypes.POINTER(ctypes.c_double), _I], ctypes.c_int),
+    "npumoe_decode_layers": ([ctypes.POINTER(Layer), _I, _P, _I, _P, _P, ctypes.POINTER(ctypes.c_double), _I],
+                             ctypes.c_int),
     "npumoe_attention_decode": ([ctypes.POINTER(Attention), _P, _P, _P, _I, _P, _P, _I, _P, _P, _I], ctypes.c_int),
 }
 
@@ -177,6 +196,24 @@ class NativeCalls:
         if self.lib.npumoe_attention_decode(ctypes.byref(block), x, cos, sin, position, k_cache, v_cache, capacity, h,
                                             z, threads):
             raise MemoryError("the fused attention could not allocate its scratch")
+
+    def decode_layers_at(self, layers: ctypes.Array, x: int, position: int, top_i: int, top_w: int,
+                         threads: int) -> float:
+        """A decode token through every layer of ``layers`` (an array of :class:`Layer`), x [hidden] fp32 in and
+        out by address, each layer's routing into top_i / top_w [layer, k]; returns the routings' seconds."""
+        routing = ctypes.c_double()
+        if self.lib.npumoe_decode_layers(layers, len(layers), x, position, top_i, top_w, ctypes.byref(routing),
+                                         threads):
+            raise MemoryError("the decode step could not allocate its scratch")
+        return routing.value
+
+    def moe_decode_at(self, layer: MoE, z: int, y: int, logits: int, top_i: int, top_w: int, threads: int) -> float:
+        """A decode token's MoE layer, all by address: softmax routing into logits / top_i (int64) / top_w, then the
+        top-k experts' weighted sum into y; returns the routing's seconds (host work, apart from the experts')."""
+        routing = ctypes.c_double()
+        if self.lib.npumoe_moe_decode(ctypes.byref(layer), z, y, logits, top_i, top_w, ctypes.byref(routing), threads):
+            raise MemoryError("the fused experts could not allocate their scratch")
+        return routing.value
 
     def route_softmax_at(self, z: int, w: int, experts: int, hidden: int, k: int, normalize: bool, scaling: float,
                          logits: int, top_i: int, top_w: int, threads: int) -> None:

@@ -10,7 +10,6 @@ dequantising each weight once.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -148,100 +147,6 @@ def lut_linear_many(xs: list[torch.Tensor], linears: list[LutLinear]) -> list[to
                            kernel_threads())
     out = [y[: lin.out_features].reshape(*x.shape[:-1], lin.out_features) for x, y, lin in zip(xs, ys, linears)]
     return [y if lin.bias is None else y + lin.bias for y, lin in zip(out, linears)]
-
-
-def swiglu_expert(gate, up, down) -> kernels.Swiglu | None:
-    """One expert's gate, up and down matrices as the fused decode call takes them: each a :class:`LutLinear`
-    without bias or a C-contiguous 2-D bf16 tensor. None where one is neither (fp32 matrices stay on torch's
-    GEMV) or the kernels run emulated. The record points into the matrices: keep them alive while it is used."""
-    if not hasattr(_kernels().calls, "swiglu_experts_at"):
-        return None
-    matrices = [_matrix(w) for w in (gate, up, down)]
-    if None in matrices:
-        return None
-    if matrices[0].k != matrices[2].n or matrices[2].k != matrices[0].n or matrices[1].n != matrices[0].n \
-            or matrices[1].k != matrices[0].k:
-        return None
-    return kernels.Swiglu(*matrices)
-
-
-def _matrix(w) -> kernels.Matrix | None:
-    """A matrix as the fused decode calls take it: a :class:`LutLinear` without bias or a C-contiguous 2-D bf16
-    tensor; None for anything else."""
-    if isinstance(w, LutLinear) and w.bias is None:
-        return kernels.Matrix(ctypes.pointer(w.tiled().native), None, w.out_features, w.in_features)
-    if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous():
-        return kernels.Matrix(None, w.data_ptr(), *w.shape)
-    return None
-
-
-class AttentionBlock:
-    """One layer's grouped-query attention block for the fused decode call: RMS norms, q/k/v (optional biases and
-    q/k RMS norms, per head or over all heads), rope over whole heads, attention over the cache, o (optional bias),
-    the residual and the feed-forward's RMS norm. Built by :meth:`of`, which says None where the call cannot take
-    the matrices; it holds fp32 copies of the small vectors and points into the matrices, which must stay alive."""
-
-    def __init__(self, record: kernels.Attention, vectors: list[torch.Tensor]):
-        self.record, self._vectors = record, vectors
-
-    @classmethod
-    def of(cls, q, k, v, o, *, attn_norm, ffn_norm, norm_eps: float, heads: int, kv_heads: int, head_dim: int,
-           scale: float, interleaved: bool, biases=(None, None, None, None), q_norm=None, k_norm=None,
-           qk_norm_full: bool = False, qk_norm_eps: float = 0.0) -> AttentionBlock | None:
-        if not hasattr(_kernels().calls, "attention_decode_at"):
-            return None
-        matrices = [_matrix(w) for w in (q, k, v, o)]
-        hidden = matrices[3].n if matrices[3] is not None else 0
-        if None in matrices or [(m.n, m.k) for m in matrices] != [(heads * head_dim, hidden), (kv_heads * head_dim, hidden),
-                                                                   (kv_heads * head_dim, hidden), (hidden, heads * head_dim)]:
-            return None
-        vectors = [None if t is None else t.detach().to(torch.float32).contiguous()
-                   for t in (*biases, attn_norm, ffn_norm, q_norm, k_norm)]
-        record = kernels.Attention(*matrices, *(0 if t is None else t.data_ptr() for t in vectors), norm_eps,
-                                   qk_norm_eps, scale, hidden, heads, kv_heads, head_dim, qk_norm_full, interleaved)
-        return cls(record, vectors)
-
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position: int, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(h, z) for one fp32 token x [1, hidden] at ``position``, its key and value written to the caches
-        [kv_heads, capacity, head_dim] (fp32, contiguous) at that slot; None (nothing written) where the call does
-        not apply."""
-        r = self.record
-        if not (_eager(x) and x.dtype == torch.float32 and x.numel() == r.hidden and k_cache.dtype == torch.float32
-                and k_cache.is_contiguous() and v_cache.is_contiguous() and 0 <= position < k_cache.shape[1]):
-            return None
-        x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-        h, z = torch.empty_like(x), torch.empty_like(x)
-        _kernels().calls.attention_decode_at(r, x.data_ptr(), cos.data_ptr(), sin.data_ptr(), position,
-                                             k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1], h.data_ptr(),
-                                             z.data_ptr(), kernel_threads())
-        return h, z
-
-
-def softmax_route(z: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool, scaling: float):
-    """(experts [1, k] int64, weights [1, k] fp32, logits [1, E]) of one fp32 token z [1, H] under softmax routing
-    with an fp32 W [E, H] and no bias, in one kernel call; None where that does not apply."""
-    experts, hidden = weight.shape
-    if not (_eager(z) and z.dtype == weight.dtype == torch.float32 and z.numel() == hidden == z.shape[-1]
-            and weight.is_contiguous() and 0 < top_k <= experts and hasattr(_kernels().calls, "route_softmax_at")):
-        return None
-    z = z.contiguous()
-    logits, top_i, top_w = torch.empty(1, experts), torch.empty(1, top_k, dtype=torch.int64), torch.empty(1, top_k)
-    _kernels().calls.route_softmax_at(z.data_ptr(), weight.data_ptr(), experts, hidden, top_k, normalize, scaling,
-                                      logits.data_ptr(), top_i.data_ptr(), top_w.data_ptr(), kernel_threads())
-    return top_i, top_w, logits
-
-
-def swiglu_experts(experts: list[kernels.Swiglu], weights: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
-    """Σ_e weights[e] · expert_e(x) for one fp32 token x [1, hidden] (or [hidden]) in one kernel call; None where
-    it does not apply (another dtype or row count, a tracer)."""
-    hidden = experts[0].down.n
-    if not (_eager(x) and x.dtype == torch.float32 and x.numel() == hidden == x.shape[-1]):
-        return None
-    x, weights = x.contiguous(), weights.to(torch.float32).contiguous()
-    y = torch.empty_like(x)
-    _kernels().calls.swiglu_experts_at(experts, weights.data_ptr(), x.data_ptr(), y.data_ptr(), kernel_threads())
-    return y
 
 
 def _bf16_fits(x: torch.Tensor, w: torch.Tensor) -> bool:

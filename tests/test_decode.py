@@ -90,5 +90,8 @@ def test_host_inside_layers_leaves_out_executors_and_the_steps_own_work():
     from npumoe.commands.bench_decode import host_inside_layers
 
     spans = [("embed", 0, 1), ("rope_mask", 1, 2), ("executor", 3, 7), ("attention", 2, 8), ("residual", 9, 10),
-             ("rope_mask", 10, 11), ("executor", 12, 13), ("residual", 14, 15), ("executor", 16, 20)]  # LM head
-    assert host_inside_layers(spans) == (10 - 1 - 4) + (15 - 10 - 1)
+             ("rope_mask", 10, 11), ("executor", 12, 13), ("rope_mask", 13, 14), ("residual", 14, 15),
+             ("executor", 16, 20)]  # the LM head
+    assert host_inside_layers(spans) == (10 - 1 - 4) + (15 - 10 - 1)  # (a layer may time rope and masks apart)
+    fused = [("embed", 0, 1), ("layers", 1, 9), ("router", 1, 2), ("executor", 2, 9), ("executor", 9, 12)]
+    assert host_inside_layers(fused) == 9 - 1 - 7  # one span over every layer of a fused decode step

@@ -14,7 +14,7 @@ from hf_compare import build_checkpoint, transformers
 from npumoe.core import interpreter
 from npumoe.core.runtime import engine as engine_module
 from npumoe.core.runtime import moe as moe_module
-from npumoe.luts import kernels, torch_op
+from npumoe.luts import decode as fused, kernels, torch_op
 
 SMALL = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              num_experts_per_tok=2, max_position_embeddings=256, eos_token_id=96)
@@ -28,27 +28,26 @@ FAMILIES = {
 }
 
 
-def decode(model, fused: bool, monkeypatch, steps: int = 12):
-    """Logits of ``steps`` greedy decode tokens after a 21-token prompt, the KV cache after them, and how many
-    fused attention and expert calls ran."""
-    calls = {"attention": 0, "routing": 0, "experts": 0}
+def counted(cls, calls: dict, key: str, patch) -> None:
+    """Count the calls of ``cls`` 's blocks in ``calls[key]``."""
+    call = cls.__call__
+    patch.setattr(cls, "__call__", lambda self, *a: calls.__setitem__(key, calls[key] + 1) or call(self, *a))
+
+
+def decode(model, mode: str, monkeypatch, steps: int = 12):
+    """Logits of ``steps`` greedy decode tokens after a 21-token prompt, the KV cache after them, and how many fused
+    calls ran. ``mode``: "stack" (every fused path), "blocks" (a fused call per block, no stack), "interpreter" (the
+    graphs' steps and route())."""
+    calls = {"stack": 0, "attention": 0, "moe": 0}
     with monkeypatch.context() as patch:
-        if fused:
-            build, combine = engine_module.attention_block, interpreter.TorchGraphExecutor.combine_many
-            route = moe_module.softmax_route
-            patch.setattr(moe_module, "softmax_route",
-                          lambda *a: calls.__setitem__("routing", calls["routing"] + 1) or route(*a))
-
-            def counted_block(*args):
-                block = build(*args)
-                return None if block is None else lambda *a: calls.__setitem__("attention", calls["attention"] + 1) \
-                    or block(*a)
-
-            patch.setattr(engine_module, "attention_block", counted_block)
-            patch.setattr(interpreter.TorchGraphExecutor, "combine_many", staticmethod(
-                lambda *a: calls.__setitem__("experts", calls["experts"] + 1) or combine(*a)))
-        else:
+        counted(fused.DecodeStack, calls, "stack", patch)
+        counted(fused.AttentionBlock, calls, "attention", patch)
+        counted(fused.MoEBlock, calls, "moe", patch)
+        if mode != "stack":
+            patch.setattr(engine_module.Engine, "_decode_stack", lambda self: None)
+        if mode == "interpreter":
             patch.setattr(engine_module, "attention_block", lambda *args: None)
+            patch.setattr(moe_module.MoEBlock, "of", lambda *args: None)
             patch.setattr(moe_module, "softmax_route", lambda *args: None)
             patch.setattr(interpreter.TorchGraphExecutor, "combine_many", staticmethod(lambda *args: None))
         engine = npumoe.Engine(model, chunk=8)
@@ -61,17 +60,19 @@ def decode(model, fused: bool, monkeypatch, steps: int = 12):
     return np.stack(logits), cache, calls
 
 
+@pytest.mark.parametrize("mode", ["stack", "blocks"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_fused_decode_equals_the_interpreter_in_bf16(family, tmp_path, monkeypatch):
+def test_fused_decode_equals_the_interpreter_in_bf16(family, mode, tmp_path, monkeypatch):
     """bf16 matrices (widened exactly in both paths): the same logits to float rounding, the same tokens, the same
-    keys and values in the cache; a token makes one fused attention call a layer, one routing and one expert call a
-    MoE layer."""
+    keys and values in the cache. A step goes through the whole-stack call where every layer is an attention block
+    and a MoE layer (a shared expert, as Qwen2-MoE's, keeps the per-layer path), else one call a block."""
     build_checkpoint(FAMILIES[family](), tmp_path)
     model = npumoe.load(tmp_path, dtype="bfloat16")
-    fused, fused_cache, calls = decode(model, True, monkeypatch)
-    interpreted, cache, _ = decode(model, False, monkeypatch)
-    moe_layers = len(model.spec.moe_layers)
-    assert calls == {"attention": 12 * model.spec.num_layers, "routing": 12 * moe_layers, "experts": 12 * moe_layers}
+    fused, fused_cache, calls = decode(model, mode, monkeypatch)
+    interpreted, cache, _ = decode(model, "interpreter", monkeypatch)
+    stacked = mode == "stack" and family != "qwen2_moe"
+    layers = 0 if stacked else 12 * model.spec.num_layers
+    assert calls == {"stack": 12 * stacked, "attention": layers, "moe": layers}  # (every layer a MoE layer here)
     np.testing.assert_allclose(fused, interpreted, rtol=0, atol=2e-5 * np.abs(interpreted).max())
     assert (fused.argmax(-1) == interpreted.argmax(-1)).all()
     for mine, theirs in zip(fused_cache, cache):
@@ -96,13 +97,13 @@ def test_fused_decode_of_packed_matrices_stays_within_the_luts_rounding(isa, tmp
     build_checkpoint(config, tmp_path / "hf")
     quantize_checkpoint(tmp_path / "hf", tmp_path / "q", bits=4, group=32, linears="all")
     model = npumoe.load(tmp_path / "q")
-    fused, _, calls = decode(model, True, monkeypatch)
-    interpreted, _, _ = decode(model, False, monkeypatch)
-    assert calls["attention"] == 12 * model.spec.num_layers and calls["experts"] == 12 * len(model.spec.moe_layers)
+    fused, _, calls = decode(model, "stack", monkeypatch)
+    interpreted, _, _ = decode(model, "interpreter", monkeypatch)
+    assert calls == {"stack": 12, "attention": 0, "moe": 0}
     with monkeypatch.context() as patch:
         embed = engine_module.Engine._embed
         patch.setattr(engine_module.Engine, "_embed", lambda self, ids, valid: embed(self, ids, valid) * (1 + 1e-7))
-        nudged, _, _ = decode(model, False, monkeypatch)
+        nudged, _, _ = decode(model, "interpreter", monkeypatch)
     sensitivity = np.abs(nudged - interpreted).max()
     scale = np.abs(interpreted).max()
     assert np.abs(fused - interpreted).max() <= max(4 * sensitivity, 1e-5 * scale)
@@ -134,9 +135,9 @@ def test_softmax_routing_in_one_call_equals_route(experts, top_k, normalize, sca
     g = torch.Generator().manual_seed(experts)
     z, w = torch.randn(1, 256, generator=g), torch.randn(experts, 256, generator=g)
     spec = RouterSpec(top_k=top_k, normalize=normalize, routed_scaling=scaling)
-    top_i, top_w, logits = torch_op.softmax_route(z, w, top_k, normalize, scaling)
+    top_i, top_w, logits = fused.softmax_route(z, w, top_k, normalize, scaling)
     want_i, want_w, want_logits = route(z, spec, w)
     assert torch.equal(top_i, want_i)
     torch.testing.assert_close(top_w, want_w, rtol=1e-4, atol=0)  # (a logit off by δ moves its weight by ~δ)
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5 * float(want_logits.abs().max()))
-    assert torch_op.softmax_route(z.double(), w, top_k, normalize, scaling) is None
+    assert fused.softmax_route(z.double(), w, top_k, normalize, scaling) is None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 
@@ -29,7 +30,8 @@ from npumoe.core.runtime.residency import ResidentExecutors
 from npumoe.core.spec import MoESpec
 from npumoe.core.weights import compute_bytes
 from npumoe.errors import InputError, NumericError
-from npumoe.luts.torch_op import AttentionBlock, torch_on_one_thread
+from npumoe.luts.decode import AttentionBlock, DecodeStack
+from npumoe.luts.torch_op import torch_on_one_thread
 
 DEFAULT_CHUNK = 64
 DEFAULT_MAX_CONTEXT = 512
@@ -42,6 +44,8 @@ def _chunk_by_chunk(observe, sizes: list[int], layer: int, experts, weights, att
     for parts in zip(experts.split(sizes), weights.split(sizes), attn_out.split(sizes)):
         observe(layer, *parts)
 
+
+_UNBUILT = object()  # a fused decode stack not yet asked for
 
 # Every public run is in torch's inference mode: no autograd or version-counter bookkeeping on any op. A decode
 # step is a few hundred small ops; on the demo model this is ~15 % of its time.
@@ -105,9 +109,14 @@ class Engine:
         self.buffering = buffering and any(
             step.moe is not None and step.moe.overflow == "spill" for step in self.program.layers)
         self.embedding = model.weights["embed.weight"]  # once: in fp32 from a bf16 file, a converted copy
-        self._rope_tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rope_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._decode_masks = DecodeMasks()
         self._fused_attention_blocks: dict[int, AttentionBlock | None] = {}
+        self._stack: DecodeStack | None | object = _UNBUILT
+        ropes = [(ls.attention.rope, ls.attention.qk_rope_head_dim if ls.attention.kind == "mla"
+                  else ls.attention.head_dim) for ls in self.spec.layers]  # (rope, rotated dims) per layer
+        self._ropes = dict(enumerate(ropes))
+        self._rope_keys = [ropes.index(rope) for rope in ropes]  # per layer, the first layer alike in rope
         self._start_position: tuple[int, torch.Tensor] = (-1, torch.zeros(1, dtype=torch.int32))
         self.rope_limit = min(filter(None, (short_context(ls.attention.rope) for ls in self.spec.layers)), default=None)
 
@@ -265,18 +274,21 @@ class Engine:
     def _run(self, name: str, inputs: Mapping[str, torch.Tensor], executor: Executor | None = None
              ) -> dict[str, torch.Tensor]:
         """Graph ``name`` on ``inputs``, through ``executor`` when the caller already holds it."""
-        placement = self.program.graphs[name].placement
-        self.metrics_.add("npu_launches" if placement == "npu" else "cpu_launches")
-        self.metrics_.add("weight_bytes", self.executors.sizes[name])
+        self._count_launch(name)
         executor = executor or self.executors[name]
         with self.metrics_.running([name]):
             return executor(inputs)
 
-    def _rope_rows(self, key: tuple, start: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin rows of rope ``key`` = (rope, head_dim) for positions start..start+seq-1, sliced from tables
-        of every position a run can reach (computed once per rope: the same values cos_sin gives for them)."""
+    def _count_launch(self, name: str) -> None:
+        placement = self.program.graphs[name].placement
+        self.metrics_.add("npu_launches" if placement == "npu" else "cpu_launches")
+        self.metrics_.add("weight_bytes", self.executors.sizes[name])
+
+    def _rope_rows(self, key: int, start: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin rows of layer ``key``'s rope for positions start..start+seq-1, sliced from tables of every
+        position a run can reach (computed once per rope: the same values cos_sin gives for them)."""
         if key not in self._rope_tables:
-            cos, sin = cos_sin(*key, np.arange(self.cache.capacity + self.program.chunk))
+            cos, sin = cos_sin(*self._ropes[key], np.arange(self.cache.capacity + self.program.chunk))
             self._rope_tables[key] = torch.from_numpy(cos), torch.from_numpy(sin)
         cos, sin = self._rope_tables[key]
         return cos[start:start + seq], sin[start:start + seq]
@@ -295,11 +307,15 @@ class Engine:
         unless ``lm_head`` is off."""
         start = self.cache.length
         x = self._embed(ids, valid)
-        shared: dict[tuple, object] = {}  # one step's rope rows and masks, for the layers alike in them
-        for i, step in enumerate(self.program.layers):
-            h, z = self._attention(i, x, start, valid, shared)
-            y = self._feed_forward(i, z, h - x, valid)
-            x = self._residual(i, x, h, y, valid)
+        through = self._through_stack(x, start) if valid == ids.shape[0] == 1 else None
+        if through is not None:
+            x = through
+        else:
+            shared: dict[tuple, object] = {}  # one step's rope rows and masks, for the layers alike in them
+            for i, step in enumerate(self.program.layers):
+                h, z = self._attention(i, x, start, valid, shared)
+                y = self._feed_forward(i, z, h - x, valid)
+                x = self._residual(i, x, h, y, valid)
         self.cache.length += valid
         return self._lm_head(x, valid) if lm_head else None
 
@@ -346,38 +362,85 @@ class Engine:
         """Layer ``i``'s attention graph on ``x`` (positions start..), its new keys and values written to the
         cache; h (the residual after attention) and z (its normalised input to the feed-forward)."""
         seq, m, step, att = x.shape[0], self.metrics_, self.program.layers[i], self.spec.layers[i].attention
-        slots = self._cache_slots(step.attention[seq], start)
+        name = step.attention[seq]
         with m.time("rope_mask"):
-            rope_key = ("rope", att.rope, att.qk_rope_head_dim if att.kind == "mla" else att.head_dim)
-            if rope_key not in shared:
-                shared[rope_key] = self._rope_rows(rope_key[1:], start, seq)
-            cos, sin = shared[rope_key]
+            rope = self._rope_keys[i]  # (the first layer with this layer's rope: a cheap key)
+            if rope not in shared:
+                shared[rope] = self._rope_rows(rope, start, seq)
+            cos, sin = shared[rope]
+        if step.moe is not None and self.predictor is not None and seq == 1:
+            self._prefetch(i, x, step.moe.groups[seq])
+        if seq == 1 and (block := self._fused_attention(i, name)) is not None:
+            with m.time("attention"):
+                self._count_launch(name)
+                with m.running([name]):
+                    out = block(x, cos, sin, start, self.cache.k[i], self.cache.v[i])
+            if out is not None:  # (its key and value are in the cache)
+                return out
+        slots = self._cache_slots(name, start)
+        with m.time("rope_mask"):
             key = ("mask", att.sliding_window, slots)
             if key not in shared:
                 shared[key] = self._decode_masks.get(att, start, slots) if seq == 1 else attention_mask(
                     att, start, seq, valid, slots)
-        if step.moe is not None and self.predictor is not None and seq == 1:
-            self._prefetch(i, x, step.moe.groups[seq])
         with m.time("attention"):
-            executor = self.executors[step.attention[seq]]
-            if seq == 1 and (block := self._fused_attention(i, executor)) is not None:
-                out = self._run(step.attention[seq], {}, lambda _: block(x, cos, sin, start, self.cache.k[i],
-                                                                         self.cache.v[i]))
-                if out is not None:  # (its key and value are in the cache)
-                    return out
+            executor = self.executors[name]
             feed = {"x": x, "cos": cos, "sin": sin, "mask": shared[key], "position": self._position(start)}
             if not executor.keeps_state:
                 feed |= {"k_cache": self.cache.k[i][:, :slots], "v_cache": self.cache.v[i][:, :slots]}
-            out = self._run(step.attention[seq], feed, executor)
+            out = self._run(name, feed, executor)
         self.cache.write(i, out["k_new"], out["v_new"], start, valid)
         return out["h"], out["z"]
 
-    def _fused_attention(self, i: int, executor) -> AttentionBlock | None:
-        """Layer ``i``'s attention block as one kernel call for a decode token, where the interpreter runs it
-        (not a device) and the fused call covers its form (:mod:`npumoe.core.runtime.fused`); built at first use."""
+    def _through_stack(self, x: torch.Tensor, start: int) -> torch.Tensor | None:
+        """A decode token through every layer in one kernel call (:meth:`_decode_stack`), with the metrics the
+        layer-by-layer path keeps; None where the stack does not apply, or where its output is not finite (the
+        layer-by-layer path then runs the step again, writing the same cache slots, and names the layer)."""
+        stack = self._decode_stack()
+        if stack is None:
+            return None
+        m, begin = self.metrics_, time.perf_counter()
+        out = stack(x, start)
+        if out is None:
+            return None
+        end = time.perf_counter()
+        x, experts, _, routing = out
+        m.record("layers", begin, end)
+        m.record("router", begin, begin + routing)
+        m.record("executor", begin + routing, end)
+        for i, picked in enumerate(experts.tolist()):
+            attention = self.program.layers[i].attention[1]
+            m.count_runs([attention])
+            self._count_launch(attention)
+            self.moe_layers[(i, 1)].count_decode(picked, m)
+        return x if self._finite(x, 1) else None
+
+    def _decode_stack(self) -> DecodeStack | None:
+        """Every layer as one kernel call for a decode token, where each is an attention block and a CPU MoE layer
+        the fused calls cover and nothing watches the layers (no ``on_route``, no predictor); built at first use."""
+        if self._stack is _UNBUILT:
+            self._stack = None
+            layers, program = [], self.program
+            if self.on_route is None and self.predictor is None and 1 in program.seqs:
+                for i, step in enumerate(program.layers):
+                    attention = self._fused_attention(i, step.attention[1])
+                    moe = self.moe_layers[(i, 1)].fused_block() if step.moe is not None and not step.moe.shared \
+                        and not self.moe_layers[(i, 1)].static else None
+                    if attention is None or moe is None:
+                        return None
+                    key = self._rope_keys[i]
+                    self._rope_rows(key, 0, 1)  # (its table of every position, built once)
+                    layers.append((attention, moe, self.cache.k[i], self.cache.v[i], *self._rope_tables[key]))
+                self._stack = DecodeStack.of(layers)
+        return self._stack
+
+    def _fused_attention(self, i: int, name: str) -> AttentionBlock | None:
+        """Layer ``i``'s attention block as one kernel call for a decode token, where the interpreter runs graph
+        ``name`` (not a device) and the fused call covers its form (:mod:`npumoe.core.runtime.fused`); built at
+        first use."""
         if i not in self._fused_attention_blocks:
             self._fused_attention_blocks[i] = (attention_block(self.spec, i, self.model.weights)
-                                               if type(executor) is TorchGraphExecutor else None)
+                                               if type(self.executors[name]) is TorchGraphExecutor else None)
         return self._fused_attention_blocks[i]
 
     def _position(self, start: int) -> torch.Tensor:

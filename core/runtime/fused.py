@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from npumoe.core.spec import ModelSpec
 from npumoe.core.weights import layer
-from npumoe.luts.torch_op import AttentionBlock
+from npumoe.luts.decode import AttentionBlock
 
 
 def attention_block(spec: ModelSpec, i: int, weights) -> AttentionBlock | None:

@@ -24,12 +24,22 @@ class Metrics:
     def running(self, graphs: list[str]) -> _Timer:
         """``with metrics.running(graphs):`` counts a call of each graph and times it as ``executor`` (the rest
         of a step's time is host work)."""
+        self.count_runs(graphs)
+        return self.time("executor")
+
+    def count_runs(self, graphs: list[str]) -> None:
         if self.lock is None:
             self.graph_runs.update(graphs)
         else:
             with self.lock:
                 self.graph_runs.update(graphs)
-        return self.time("executor")
+
+    def record(self, op: str, start: float, end: float) -> None:
+        """Add ``op``'s time from ``start`` to ``end`` (perf_counter seconds), as ``time`` would have timed it: for a
+        call that reports how its time splits between host work and executors."""
+        timer = _Timer(self, op)
+        timer.start = start
+        timer.finish(end)
 
     def add(self, name: str, n: int = 1) -> None:
         if self.lock is None:
@@ -62,7 +72,9 @@ class _Timer:
         self.start = time.perf_counter()
 
     def __exit__(self, *exc) -> None:
-        end = time.perf_counter()
+        self.finish(time.perf_counter())
+
+    def finish(self, end: float) -> None:
         if self.metrics.lock is None:
             self._record(end)
         else:

@@ -35,7 +35,9 @@ from npumoe.core.runtime.dispatch import Dispatch, Layout, assign, combine, gath
 from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.router import all_scores, route
 from npumoe.core.spec import MoESpec
-from npumoe.luts.torch_op import softmax_route
+from npumoe.luts.decode import MoEBlock, softmax_route
+
+_UNBUILT = object()  # a fused block not yet asked for
 
 Run = Callable[[str, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -54,6 +56,8 @@ class MoELayer:
         self.router_bias = weights[f"{prefix}.bias"] if moe.router.bias else None
         self.correction = weights[f"{prefix}.correction_bias"] if moe.router.correction_bias else None
         self._router_fp32: torch.Tensor | None = None  # the decode router's matrix, at first use
+        self._block: MoEBlock | None | object = _UNBUILT
+        self._cpu_names = [f"L{layer}.cpu.e{e}" for e in range(moe.num_experts)]
         self.static = [g for g in groups if g.shapes]
         self._shape_capacities = [torch.tensor([s.capacities for s in g.shapes]) for g in self.static]  # [V, G]
         self._layouts: dict[tuple[int, ...], Layout] = {}
@@ -69,6 +73,10 @@ class MoELayer:
         """y for the chunk ``z`` (its first ``valid`` rows real). With ``chunks``, ``z`` is a prompt's tokens at this
         layer, that many chunks of them, and each static group launches on them as :meth:`_buffered_layout` says."""
         seq = z.shape[0]
+        if seq == valid == 1 and not self.static and (block := self.fused_block()) is not None:
+            y = self._decode_fused(block, z, attn_out, m, on_route)
+            if y is not None:
+                return y
         with m.time("router"):
             routed = self._route_one(z) if seq == valid == 1 else None
             experts, gates, logits = routed or route(z[:valid], self.moe.router, self.router_weight, self.router_bias,
@@ -111,15 +119,54 @@ class MoELayer:
             y += y_cpu
         return y
 
+    def fused_block(self) -> MoEBlock | None:
+        """The whole layer as one kernel call for a decode token (every expert on the CPU, plain softmax routing,
+        SwiGLU experts of bf16 or packed matrices), built at first use; None where it does not apply."""
+        if self._block is _UNBUILT:
+            router = self.moe.router
+            plain = router.scoring == "softmax" and self.router_bias is None and self.correction is None
+            experts = [getattr(self.expert_executors[e], "fused_expert", None) for e in range(self.moe.num_experts)]
+            self._block = MoEBlock.of(self._router_matrix(), experts, router.top_k, router.normalize,
+                                      router.routed_scaling) if plain else None
+        return self._block
+
+    def _decode_fused(self, block: MoEBlock, z: torch.Tensor, attn_out: torch.Tensor, m: Metrics, on_route):
+        """y for one token through the fused layer call, with the metrics the step-by-step path keeps: the routing
+        timed as ``router`` (host work), the experts as executor calls."""
+        start = time.perf_counter()
+        out = block(z)
+        if out is None:
+            return None
+        end = time.perf_counter()
+        y, experts, gates, logits, routing = out
+        m.record("router", start, start + routing)
+        m.record("cpu_expert_ffn", start + routing, end)
+        m.record("executor", start + routing, end)
+        self.count_decode(experts[0].tolist(), m)
+        if on_route is not None:
+            on_route(self.layer, experts, gates, attn_out)
+        return y
+
+    def count_decode(self, experts: list[int], m: Metrics) -> None:
+        """A fused decode token's counts: its routed pairs, one CPU launch and one expert's weights per expert."""
+        m.count_runs([self._cpu_names[e] for e in experts])
+        m.add("routed", len(experts))
+        m.add("cpu_launches", len(experts))
+        m.add("weight_bytes", len(experts) * self.expert_bytes)
+
+    def _router_matrix(self) -> torch.Tensor:
+        """The router in fp32 for the decode kernels (a bf16 one widened once, not every token: E·H·4 bytes)."""
+        if self._router_fp32 is None:
+            self._router_fp32 = self.router_weight.float().contiguous()
+        return self._router_fp32
+
     def _route_one(self, z: torch.Tensor):
         """A decode token's softmax routing in one kernel call, where the router is plain softmax top-k (no bias,
         no correction) over an fp32 matrix; None elsewhere (:func:`route` then)."""
         router = self.moe.router
         if router.scoring != "softmax" or self.router_bias is not None or self.correction is not None:
             return None
-        if self._router_fp32 is None:  # (a bf16 router widened once, not every token: E·H·4 bytes)
-            self._router_fp32 = self.router_weight.float().contiguous()
-        return softmax_route(z, self._router_fp32, router.top_k, router.normalize, router.routed_scaling)
+        return softmax_route(z, self._router_matrix(), router.top_k, router.normalize, router.routed_scaling)
 
     def _overlapped(self, buf, z, d, layout, cpu_pairs, run: Run, m: Metrics):
         """The static launches on the device worker while the CPU pairs run here; their outputs, and how much of
@@ -197,7 +244,7 @@ class MoELayer:
             executors = [self.expert_executors[e] for e in experts]
             m.add("cpu_launches", len(experts))
             m.add("weight_bytes", len(experts) * self.expert_bytes)
-            with m.running([f"L{self.layer}.cpu.e{e}" for e in experts]):
+            with m.running([self._cpu_names[e] for e in experts]):
                 y = _combined(executors, z, gates)
                 if y is not None:
                     return y

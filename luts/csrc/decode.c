@@ -8,9 +8,11 @@
  * The matrices are bf16 or LUT-packed, per matrix; each GEMV equals its own call's result bit for bit, and the
  * small steps between them are the graph ops' arithmetic in another summation order.
  */
+#define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "lut.h"
 
@@ -23,6 +25,10 @@ typedef struct {
 typedef struct {
     npumoe_matrix gate, up, down; /* gate, up [inter][hidden]; down [hidden][inter] */
 } npumoe_swiglu;
+
+/* Bytes a step between the matrix reads (attention over the cache, the router) reads from which it is split over
+ * the threads: below, waking a worker costs more than it saves. */
+#define THREADED_BYTES (1 << 18)
 
 static int padded_rows(const npumoe_matrix *m) { return m->lut ? m->lut->row_blocks * LUT_ROWS : m->n; }
 
@@ -81,9 +87,6 @@ NPUMOE_API int npumoe_swiglu_experts(const npumoe_swiglu *const *experts, const 
 
 /* ---- attention ---- */
 
-/* Cache bytes a token's attention reads from which its heads are split over the threads (below, a hand-off costs
- * more than it saves). */
-#define KV_THREADED_BYTES (1 << 18)
 
 #if defined(__AVX512F__)
 #define DVL 16
@@ -207,7 +210,7 @@ NPUMOE_API int npumoe_attention_decode(const npumoe_attention *a, const float *x
             memcpy(v_cache + ((size_t)g * capacity + position) * d, v + g * d, sizeof(float) * d);
         }
         attention_job job = {a, q, k_cache, v_cache, scores, attn, slots, capacity};
-        lut_parallel(attention_heads, &job, a->heads, (size_t)slots * nk * 8 > KV_THREADED_BYTES ? threads : 1, 1);
+        lut_parallel(attention_heads, &job, a->heads, (size_t)slots * nk * 8 > THREADED_BYTES ? threads : 1, 1);
         const npumoe_matrix *mo = &a->o;
         const float *in_o = attn;
         failed = gemv_each(&mo, &in_o, &o, 1, threads);
@@ -240,7 +243,7 @@ static void router_rows(void *ctx, int e0, int e1) {
 NPUMOE_API void npumoe_route_softmax(const float *z, const float *w, int experts, int hidden, int k, int normalize,
                                      float scaling, float *logits, int64_t *top_i, float *top_w, int threads) {
     router_job job = {z, w, logits, hidden};
-    lut_parallel(router_rows, &job, experts, threads, (int)(LUT_STREAM_CHUNK / ((size_t)hidden * 4 + 1)) + 1);
+    lut_parallel(router_rows, &job, experts, (size_t)experts * hidden * 4 > THREADED_BYTES ? threads : 1, 1);
     float top = -INFINITY, sum = 0.0f, picked = 0.0f;
     for (int e = 0; e < experts; e++) top = logits[e] > top ? logits[e] : top;
     float p[experts];
@@ -255,4 +258,71 @@ NPUMOE_API void npumoe_route_softmax(const float *z, const float *w, int experts
         taken[best] = 1, top_i[j] = best, top_w[j] = p[best], picked += p[best];
     }
     for (int j = 0; j < k; j++) top_w[j] = (normalize ? top_w[j] / picked : top_w[j]) * scaling;
+}
+
+/* ---- a MoE layer ---- */
+
+typedef struct {
+    const float *router;                 /* [experts][hidden] fp32 */
+    const npumoe_swiglu *const *experts; /* [experts] */
+    int num_experts, hidden, top_k, normalize;
+    float scaling;
+} npumoe_moe;
+
+static double seconds_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* A decode token's MoE layer on the CPU: softmax routing (npumoe_route_softmax), then its top-k experts
+ * (npumoe_swiglu_experts) into y [hidden]. The routing's wall time goes to *routing_seconds: it is host work,
+ * the experts are the layer's matrix reads. Returns -1 if it cannot allocate. */
+NPUMOE_API int npumoe_moe_decode(const npumoe_moe *moe, const float *z, float *y, float *logits, int64_t *top_i,
+                                 float *top_w, double *routing_seconds, int threads) {
+    const double start = seconds_now();
+    npumoe_route_softmax(z, moe->router, moe->num_experts, moe->hidden, moe->top_k, moe->normalize, moe->scaling,
+                         logits, top_i, top_w, threads);
+    *routing_seconds = seconds_now() - start;
+    const npumoe_swiglu *picked[moe->top_k];
+    for (int j = 0; j < moe->top_k; j++) picked[j] = moe->experts[top_i[j]];
+    return npumoe_swiglu_experts(picked, top_w, moe->top_k, z, y, threads);
+}
+
+/* ---- a decode token through every layer ---- */
+
+typedef struct {
+    const npumoe_attention *attention;
+    const npumoe_moe *moe;
+    float *k_cache, *v_cache;   /* [kv_heads][capacity][head_dim] fp32 */
+    const float *cos, *sin;     /* rope tables [positions][head_dim]: row `position` is this token's */
+    int capacity;
+} npumoe_layer;
+
+/* x [hidden] (the embedding in, the last layer's residual out) through `count` layers, each its attention block
+ * then its MoE layer then the residual, with no host step between them; the routing of layer l into
+ * top_i / top_w [l][top_k], its summed wall time into *routing_seconds. Returns -1 if it cannot allocate. */
+NPUMOE_API int npumoe_decode_layers(const npumoe_layer *layers, int count, float *x, int position, int64_t *top_i,
+                                   float *top_w, double *routing_seconds, int threads) {
+    const int hidden = layers[0].attention->hidden;
+    int experts = 0;
+    for (int l = 0; l < count; l++) experts = layers[l].moe->num_experts > experts ? layers[l].moe->num_experts : experts;
+    float *scratch = malloc(sizeof(float) * (3 * (size_t)hidden + experts));
+    if (!scratch) return -1;
+    float *h = scratch, *z = h + hidden, *y = z + hidden, *logits = y + hidden;
+    int failed = 0;
+    *routing_seconds = 0.0;
+    for (int l = 0; l < count && !failed; l++) {
+        const npumoe_layer *layer = &layers[l];
+        const size_t row = (size_t)position * layer->attention->head_dim;
+        double routing = 0.0;
+        failed = npumoe_attention_decode(layer->attention, x, layer->cos + row, layer->sin + row, position,
+                                         layer->k_cache, layer->v_cache, layer->capacity, h, z, threads) ||
+                 npumoe_moe_decode(layer->moe, z, y, logits, top_i, top_w, &routing, threads);
+        *routing_seconds += routing;
+        for (int i = 0; i < hidden; i++) x[i] = h[i] + y[i];
+        top_i += layer->moe->top_k, top_w += layer->moe->top_k;
+    }
+    free(scratch);
+    return failed;
 }

@@ -32,11 +32,19 @@ def real_width_checkpoint(name: str, layers: int) -> Path:
 
 
 def host_inside_layers(spans: list[tuple[str, float, float]]) -> float:
-    """Seconds between each layer's first timer (rope_mask) and its last (residual) not spent in an executor: the
-    host work a layer adds, apart from a step's own (embedding, the LM head's logits, sampling), which a 2-layer
-    cut would otherwise split over 2 layers."""
-    spans = sorted(spans, key=lambda s: s[1])
-    windows = list(zip([a for op, a, _ in spans if op == "rope_mask"], [b for op, _, b in spans if op == "residual"]))
+    """Seconds inside the layers not spent in an executor: the host work a layer adds, apart from a step's own
+    (embedding, the LM head's logits, sampling), which a 2-layer cut would otherwise split over 2 layers. A layer
+    runs from its first timer (rope_mask) to its last (residual); a step through the fused stack is one span
+    (layers) over all of them."""
+    windows, opened = [], None
+    for op, a, b in sorted(spans, key=lambda s: s[1]):
+        if op == "layers":
+            windows.append((a, b))
+        elif op == "rope_mask" and opened is None:
+            opened = a
+        elif op == "residual" and opened is not None:
+            windows.append((opened, b))
+            opened = None
     starts = [a for a, _ in windows]
     host = sum(b - a for a, b in windows)
     for a, b in ((a, b) for op, a, b in spans if op == "executor"):  # each wholly inside one window, or outside all

@@ -21,20 +21,21 @@ from npumoe.errors import InputError
 from npumoe.luts import kernels, layout, spec
 
 
-GEMM_FROM = {"avx512": 192, "avx2": 64, "neon": 64, "portable": 64}  # rows × bits where the GEMM starts to win
+GEMM_FROM = {"avx512": 2048, "avx2": 64, "neon": 64, "portable": 64}  # rows × bits where the GEMM starts to win
 EXACT_GEMM_FROM = 64  # above 4 bits
 
 
 def uses_gemm(rows: int, bits: int) -> bool:
-    """Dequantise once (GEMM) from ``rows × bits ≥ GEMM_FROM[isa]``; below, a LUT-GEMV per row.
+    """Dequantise once (GEMM) from ``rows × bits ≥ GEMM_FROM[isa]``; below, the LUT-GEMV (a few rows at a time, each
+    tile read once for them).
 
     A LUT-GEMV's table lookups grow with bits × rows; the GEMM's dequantisation costs about the same
-    at any width. Measured on a quiet 2-core AMD EPYC (768×2048, 2048×768 and 4096², 2 threads,
-    GEMV time / GEMM time): with AVX-512 the GEMV still wins at 64 rows at 2 and 4 bits (0.4-0.8) and
-    up to about 24 rows at 8 bits; the AVX2 build crosses at 16-24 rows at 2 bits, about 8 at 4, 4 at 8.
-    NEON and portable keep AVX2's rule (not measured: NEON runs here only under emulation). Above
-    4 bits the GEMV's 8-bit activation tables, not the weights, set its error (MXFP4 experts, 8-bit
-    heads), so the exact dequantising GEMM takes over early there, whatever the ISA.
+    at any width. Measured on a quiet 2-core AMD EPYC (768×2048, 2048×768 and 4096×2048, 2 threads,
+    GEMV time / GEMM time): the AVX-512 build's four-row GEMV wins at every row count measured, 16 to 256, at 2 and
+    4 bits (0.26-0.86; the GEMM from 512 rows at 4 bits is a guess); the AVX2 build's two-row GEMV crosses at about
+    8 rows at 4 bits (0.87-1.10) and 64 at 2 bits (1.00-1.04). NEON and portable keep AVX2's rule (not measured:
+    NEON runs here only under emulation). Above 4 bits the GEMV's 8-bit activation tables, not the weights, set its
+    error (MXFP4 experts, 8-bit heads), so the exact dequantising GEMM takes over early there, whatever the ISA.
     """
     return rows * bits >= (GEMM_FROM[_kernels().isa] if bits <= 4 else EXACT_GEMM_FROM)
 

@@ -19,7 +19,7 @@ def reference(linear, bits=4, group=64):
     return spec.quantize_pack(linear.weight.detach().numpy(), bits, group)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 15, 16, 33, 64])  # at 4 bits: the GEMV path, then the GEMM (ISA-dependent)
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 33, 64, 600])  # at 4 bits: the GEMV path, then the GEMM (ISA-dependent)
 def test_op_matches_the_spec(layer, rows):
     linear, module = layer
     packed = reference(linear)

@@ -14,17 +14,20 @@ typedef struct {
     void (*dequant_tile)(const lut_weight *, int, int, float *, int);
     void (*gemm)(const lut_weight *, const float *, int, int, int, int, float *, int);
     int gemm_mr; /* the GEMM pads the activation rows to a multiple of this */
+    void (*gemv8_multi)(const lut_weight *, const lut_tables *const *, int, int, float *const *); /* or NULL */
+    int gemv_mr; /* the activation rows gemv8_multi takes at once */
 } lut_isa;
 
 static const lut_isa ISA =
 #if defined(NPUMOE_ISA_AVX512)
-    {"avx512", tables_avx512, gemv_avx512, dequant_tile_avx512, gemm_avx512, AVX512_MR};
+    {"avx512", tables_avx512, gemv_avx512, dequant_tile_avx512, gemm_avx512, AVX512_MR, gemv_multi_avx512,
+     AVX512_GEMV_MR};
 #elif defined(NPUMOE_ISA_AVX2)
-    {"avx2", tables_avx2, gemv_avx2, dequant_tile_avx2, gemm_avx2, AVX2_MR};
+    {"avx2", tables_avx2, gemv_avx2, dequant_tile_avx2, gemm_avx2, AVX2_MR, gemv_multi_avx2, AVX2_GEMV_MR};
 #elif defined(NPUMOE_ISA_NEON)
-    {"neon", tables_neon, gemv_neon, dequant_tile_neon, gemm_neon, NEON_MR};
+    {"neon", tables_neon, gemv_neon, dequant_tile_neon, gemm_neon, NEON_MR, gemv_multi_neon, NEON_GEMV_MR};
 #else
-    {"portable", tables_portable, gemv_portable, dequant_tile_portable, gemm_portable, 1};
+    {"portable", tables_portable, gemv_portable, dequant_tile_portable, gemm_portable, 1, NULL, 1};
 #endif
 
 NPUMOE_API const char *npumoe_lut_isa(void) { return ISA.name; }
@@ -91,10 +94,53 @@ static size_t row_block_bytes(const lut_weight *w) {
            (size_t)(w->k / w->group) * LUT_ROWS * (sizeof(uint16_t) + (w->zeros ? 1 : 0));
 }
 
-/* y [m][row_blocks*16] = x [m][k] · Wᵀ; acc (optional) [m][row_blocks*16][G] gets the int32 accumulators. */
+typedef struct {
+    const lut_weight *w;
+    const lut_tables *t; /* [m] */
+    float *y;            /* [m][row_blocks*16] */
+    int m;
+} gemv_multi_job;
+
+/* Rows a multi-row pass covers before the next activation rows read them again: 4 row blocks (64 KB of a 2048-wide
+ * int4 matrix) stay in L2 across the passes. */
+#define MULTI_ROW_BLOCKS 4
+
+static void gemv_multi_range(void *ctx, int rb0, int rb1) {
+    const gemv_multi_job *job = ctx;
+    const size_t rows = (size_t)job->w->row_blocks * LUT_ROWS;
+    for (int rb = rb0; rb < rb1; rb += MULTI_ROW_BLOCKS) {
+        const int end = rb + MULTI_ROW_BLOCKS < rb1 ? rb + MULTI_ROW_BLOCKS : rb1;
+        for (int i0 = 0; i0 < job->m; i0 += ISA.gemv_mr) {
+            const lut_tables *t[LUT_MAX_GEMV_MR];
+            float *y[LUT_MAX_GEMV_MR];
+            for (int r = 0; r < ISA.gemv_mr; r++) { /* a short last batch repeats its last row: same values, same place */
+                const int i = i0 + r < job->m ? i0 + r : job->m - 1;
+                t[r] = &job->t[i], y[r] = job->y + i * rows;
+            }
+            ISA.gemv8_multi(job->w, t, rb, end, y);
+        }
+    }
+}
+
+/* y [m][row_blocks*16] = x [m][k] · Wᵀ; acc (optional) [m][row_blocks*16][G] gets the int32 accumulators. Several
+ * rows with 8-bit tables go through the multi-row GEMV (each tile read once for all of them), else row by row. */
 NPUMOE_API int npumoe_lut_gemv(const lut_weight *w, const float *x, int m, int table_bits, float *y, int32_t *acc,
                                int threads) {
     const int k = w->k, groups = k / w->group, row_blocks = w->row_blocks;
+    if (m > 1 && table_bits == 8 && !acc && ISA.gemv8_multi) {
+        char *blocks = malloc(table_bytes(w, table_bits) * m);
+        lut_tables *t = malloc(sizeof(lut_tables) * m);
+        if (!blocks || !t) {
+            free(blocks), free(t);
+            return -1;
+        }
+        for (int i = 0; i < m; i++)
+            t[i] = prepared_tables(w, x + (size_t)i * k, table_bits, blocks + table_bytes(w, table_bits) * i);
+        gemv_multi_job job = {w, t, y, m};
+        lut_parallel(gemv_multi_range, &job, row_blocks, threads, 1);
+        free(blocks), free(t);
+        return 0;
+    }
     char *block = malloc(table_bytes(w, table_bits));
     if (!block) return -1;
     const size_t rows = (size_t)row_blocks * LUT_ROWS;

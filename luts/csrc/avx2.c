@@ -13,6 +13,7 @@
 #define W 8
 #define ACC 4
 #define GEMM_MR AVX2_MR
+#define GEMV_MR AVX2_GEMV_MR
 #define GEMM_ROW_BLOCKS 1 /* 6 × 16 microkernel: 12 accumulators */
 
 typedef __m256 vf;

@@ -12,6 +12,7 @@
 #define W 16
 #define ACC 8 /* four pairs, planes sharing one two by two (tile_dot) */
 #define GEMM_MR AVX512_MR
+#define GEMV_MR AVX512_GEMV_MR
 #define GEMM_ROW_BLOCKS 2 /* 8 × 32 microkernel: 16 accumulators, 10 loads per 16 FMAs */
 
 typedef __m512 vf;

@@ -9,12 +9,19 @@
 #define ISA_KERNELS(isa)                                                                                     \
     void tables_##isa(const float *x, int k, int group, int table_bits, void *tq, float *t_scales, int32_t *xq); \
     void gemv_##isa(const lut_weight *w, const lut_tables *t, int rb0, int rb1, float *y, int32_t *acc);       \
+    void gemv_multi_##isa(const lut_weight *w, const lut_tables *const *t, int rb0, int rb1, float *const *y);     \
     void dequant_tile_##isa(const lut_weight *w, int rb, int kt, float *panel, int ld);                               \
     void gemm_##isa(const lut_weight *w, const float *xt, int m_pad, int m, int rb0, int rb1, float *y, int ldy);
 
 #define AVX512_MR 8 /* GEMM microkernel: 8 activation rows × 32 output rows */
 #define AVX2_MR 6   /* 6 × 16 */
 #define NEON_MR 4   /* 4 × 16 */
+
+/* Activation rows a multi-row GEMV takes at once: as many as their tables and accumulators leave registers for. */
+#define AVX512_GEMV_MR 4
+#define AVX2_GEMV_MR 2
+#define NEON_GEMV_MR 2
+#define LUT_MAX_GEMV_MR 4
 
 ISA_KERNELS(avx512)
 ISA_KERNELS(avx2)

@@ -13,6 +13,7 @@
 #define W 4
 #define ACC 4
 #define GEMM_MR NEON_MR
+#define GEMV_MR NEON_GEMV_MR
 #define GEMM_ROW_BLOCKS 1 /* 4 × 16 microkernel: 16 accumulators */
 
 typedef float32x4_t vf;

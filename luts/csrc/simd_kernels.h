@@ -165,6 +165,66 @@ void ISA(gemv)(const lut_weight *w, const lut_tables *t, int rb0, int rb1, float
 #undef GEMV
 }
 
+/* The same rows against GEMV_MR activation rows at once (prefill: an expert's few tokens): each tile plane is
+ * loaded and split once for all of them, and every row keeps the one-row loop's accumulators and order, so each
+ * y[r] equals gemv's bit for bit. tables/y hold GEMV_MR entries (a short batch repeats its last row). */
+static inline __attribute__((always_inline)) void gemv_rows_multi(const lut_weight *w, const lut_tables *const *t,
+                                                                  int rb0, int rb1, float *const *y, const int bits,
+                                                                  const int tiles_per_group) {
+    const int groups = lut_groups(w);
+    const size_t tile_stride = (size_t)lut_k_tiles(w) * bits * LUT_TILE_BYTES, param_stride = (size_t)groups * LUT_ROWS;
+    for (int rb = rb0; rb < rb1; rb++) {
+        const uint8_t *tile = w->tiles + rb * tile_stride;
+        const uint16_t *scales = w->scales + rb * param_stride;
+        const uint8_t *zeros = w->zeros ? w->zeros + rb * param_stride : NULL;
+        vf out[GEMV_MR][RV];
+        for (int r = 0; r < GEMV_MR; r++)
+            for (int rv = 0; rv < RV; rv++) out[r][rv] = f_zero();
+        for (int g = 0; g < groups; g++, scales += LUT_ROWS, zeros = zeros ? zeros + LUT_ROWS : NULL) {
+            vi a[GEMV_MR][RV][ACC];
+            for (int r = 0; r < GEMV_MR; r++)
+                for (int rv = 0; rv < RV; rv++)
+                    for (int j = 0; j < ACC; j++) a[r][rv][j] = j ? i_zero() : i_set1(t[r]->bias[g]);
+            for (int kt = g * tiles_per_group; kt < (g + 1) * tiles_per_group; kt++, tile += bits * LUT_TILE_BYTES) {
+                kt_tables tables[GEMV_MR];
+                for (int r = 0; r < GEMV_MR; r++) tables[r] = load_tables(t[r]->tq, kt);
+#pragma GCC unroll 8
+                for (int i = 0; i < bits; i++) {
+                    lut_prefetch_line(tile + i * LUT_TILE_BYTES);
+                    for (int r = 0; r < GEMV_MR; r++) tile_dot(a[r], tile + i * LUT_TILE_BYTES, &tables[r], i);
+                }
+            }
+            __builtin_prefetch(scales + LUT_PREFETCH_PARAMS, 0, 2);
+            if (zeros) __builtin_prefetch(zeros + LUT_PREFETCH_PARAMS, 0, 2);
+            for (int r = 0; r < GEMV_MR; r++) {
+                const vf group_half_ts = f_set1(t[r]->half_ts[g]);
+                for (int rv = 0; rv < RV; rv++) {
+                    vi biased = a[r][rv][0];
+                    for (int j = 1; j < ACC; j++) biased = i_add(biased, a[r][rv][j]);
+                    out[r][rv] = epilogue(scales + rv * W, zeros ? zeros + rv * W : NULL, t[r]->zero_coef[g],
+                                          group_half_ts, biased, out[r][rv]);
+                }
+            }
+        }
+        for (int r = 0; r < GEMV_MR; r++)
+            for (int rv = 0; rv < RV; rv++) f_store(y[r] + (size_t)rb * LUT_ROWS + rv * W, out[r][rv]);
+    }
+}
+
+void ISA(gemv_multi)(const lut_weight *w, const lut_tables *const *t, int rb0, int rb1, float *const *y) {
+#define GEMV_MULTI(b)                                                             \
+    if ((b) > 2)                                                                  \
+        gemv_rows_multi(w, t, rb0, rb1, y, b, w->group / LUT_TILE_K);             \
+    else if (w->group == 32)                                                      \
+        gemv_rows_multi(w, t, rb0, rb1, y, b, 1);                                 \
+    else if (w->group == 64)                                                      \
+        gemv_rows_multi(w, t, rb0, rb1, y, b, 2);                                 \
+    else                                                                          \
+        gemv_rows_multi(w, t, rb0, rb1, y, b, 4);
+    FOR_BITS(GEMV_MULTI)
+#undef GEMV_MULTI
+}
+
 static inline __attribute__((always_inline)) void dequant_tile_bits(const lut_weight *w, int rb, int kt, float *panel,
                                                                     int ld, const int bits) {
     const uint8_t *tile = lut_tile(w, rb, kt);

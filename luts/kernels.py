@@ -85,6 +85,7 @@ _SIGNATURES = {
     "npumoe_lut_gemv": ([_W, _P, _I, _I, _P, _P, _I], ctypes.c_int),
     "npumoe_lut_dequant": ([_W, _P, _I], None),
     "npumoe_lut_gemm": ([_W, _P, _I, _P, _I], ctypes.c_int),
+    "npumoe_lut_gemm_i8": ([_W, _P, _I, _P, _I], ctypes.c_int),
     "npumoe_stream_read": ([_P, ctypes.c_size_t, _I, ctypes.c_size_t], ctypes.c_uint64),
     "npumoe_bf16_gemv": ([_P, _P, _I, _I, _I, _P, _I], ctypes.c_int),
     "npumoe_bf16_gemv_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
@@ -235,6 +236,13 @@ class NativeCalls:
         if self.lib.npumoe_lut_gemm(w.native, _ptr(x), x.shape[0], _ptr(y), threads):
             raise MemoryError("the LUT GEMM could not allocate its transposed activations")
 
+    def gemm_i8(self, w, x, y, threads) -> bool:
+        """The int8-activation GEMM into y; False (nothing run) where this build has none or the width is not 3-4 bits."""
+        status = self.lib.npumoe_lut_gemm_i8(w.native, _ptr(x), x.shape[0], _ptr(y), threads)
+        if status == -1:
+            raise MemoryError("the int8 GEMM could not allocate its quantised activations")
+        return status == 0
+
     def stream_read(self, buf, threads, prefetch) -> int:
         return self.lib.npumoe_stream_read(_ptr(buf), buf.nbytes, threads, prefetch)
 
@@ -334,6 +342,16 @@ class LutKernels:
         x = _activations(x, k).reshape(-1, k)
         y = np.empty((x.shape[0], w.row_blocks * ROWS), np.float32)
         self.calls.gemm(w, x, y, threads or default_threads())
+        return y[:, :n]
+
+    def gemm_int8(self, w: TiledWeight, x: np.ndarray, threads: int | None = None) -> np.ndarray | None:
+        """y [M, N] = x [M, K] Wᵀ with x quantised to int8 per group (:func:`spec.int8_gemv` per row): 3-4-bit
+        weights on a build with int8 dot products (AVX-512 VNNI); None elsewhere."""
+        n, k = w.shape
+        x = _activations(x, k).reshape(-1, k)
+        y = np.empty((x.shape[0], w.row_blocks * ROWS), np.float32)
+        if not hasattr(self.calls, "gemm_i8") or not self.calls.gemm_i8(w, x, y, threads or default_threads()):
+            return None
         return y[:, :n]
 
     def dequantize(self, w: TiledWeight, threads: int | None = None, out: np.ndarray | None = None) -> np.ndarray:

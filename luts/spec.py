@@ -346,6 +346,33 @@ def float_lut_gemv(packed: Packed, x: np.ndarray) -> np.ndarray:
     return (packed.scales.astype(np.float64) / 2 * (lookups + zero_terms(packed.zeros, m.bits) * sums)).sum(1)
 
 
+def quantize_activations(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
+    """x [K] → (int8 [K], fp32 scale per group [K/group]): symmetric at max|x|/127, rounded half to even — the
+    int8 prefill's activations (as the tables of lut_gemv, but of the inputs themselves)."""
+    blocks = x.astype(np.float32).reshape(-1, group)
+    amax = np.abs(blocks).max(1)
+    inv = np.zeros_like(amax)
+    inv[amax > 0] = np.float32(127) / amax[amax > 0]
+    return np.rint(blocks * inv[:, None]).astype(np.int8).reshape(-1), (amax / np.float32(127)).astype(np.float32)
+
+
+def int8_accumulate(packed: Packed, xq: np.ndarray) -> np.ndarray:
+    """A[n, g] = Σ_{i in g} (q[n, i] − z[n, g]) · xq[i] in int32: weight codes times int8 activations."""
+    m = packed.meta
+    q = codes_from_planes(packed.planes).astype(np.int32).reshape(m.shape[0], m.groups, m.group)
+    xg = xq.astype(np.int32).reshape(m.groups, m.group)
+    return (q * xg).sum(-1, dtype=np.int32) - packed.zeros.astype(np.int32) * xg.sum(-1, dtype=np.int32)
+
+
+def int8_gemv(packed: Packed, x: np.ndarray) -> np.ndarray:
+    """y = W x with x quantised to int8 per group: Σ_g s[n, g] · xs[g] · A[n, g] (what the int8 GEMM computes)."""
+    m = packed.meta
+    _check_activations(x, m)
+    xq, xs = quantize_activations(x, m.group)
+    acc = int8_accumulate(packed, xq).astype(np.float64)
+    return (packed.scales.astype(np.float64) * xs.astype(np.float64) * acc).sum(1).astype(np.float32)
+
+
 def _check_activations(x, meta: PackedMeta) -> None:
     if np.shape(x) != (meta.shape[1],):
         raise InputError(f"activations have shape {list(np.shape(x))} but the weight takes {meta.shape[1]} inputs.")

@@ -19,14 +19,17 @@ def reference(linear, bits=4, group=64):
     return spec.quantize_pack(linear.weight.detach().numpy(), bits, group)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 15, 16, 33, 64, 600])  # at 4 bits: the GEMV path, then the GEMM (ISA-dependent)
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 33, 64, 600])  # at 4 bits: GEMV, int8 GEMM, GEMM (ISA-dependent)
 def test_op_matches_the_spec(layer, rows):
     linear, module = layer
     packed = reference(linear)
     x = torch.randn(rows, 256)
     y = module(x)
     bias = linear.bias.detach().numpy()
-    if not torch_op.uses_gemm(rows, 4):
+    if torch_op.uses_int8(rows, 4) and not torch_op.uses_gemm(rows, 4) and torch_op._kernels().isa == "avx512":
+        expected = np.stack([spec.int8_gemv(packed, row) for row in x.numpy()]) + bias
+        assert np.allclose(y.numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    elif not torch_op.uses_gemm(rows, 4):
         expected = np.stack([spec.lut_gemv(packed, row) for row in x.numpy()]) + bias
         assert np.allclose(y.numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     else:

@@ -16,18 +16,20 @@ typedef struct {
     int gemm_mr; /* the GEMM pads the activation rows to a multiple of this */
     void (*gemv8_multi)(const lut_weight *, const lut_tables *const *, int, int, float *const *); /* or NULL */
     int gemv_mr; /* the activation rows gemv8_multi takes at once */
+    void (*gemm_i8)(const lut_weight *, const int8_t *, const float *, const int32_t *, int, int, int, float *, int);
+    void (*int8_rows)(const float *, int, int, int, int8_t *, float *, int32_t *); /* its activations */
 } lut_isa;
 
 static const lut_isa ISA =
 #if defined(NPUMOE_ISA_AVX512)
     {"avx512", tables_avx512, gemv_avx512, dequant_tile_avx512, gemm_avx512, AVX512_MR, gemv_multi_avx512,
-     AVX512_GEMV_MR};
+     AVX512_GEMV_MR, gemm_i8_avx512, int8_rows_avx512};
 #elif defined(NPUMOE_ISA_AVX2)
-    {"avx2", tables_avx2, gemv_avx2, dequant_tile_avx2, gemm_avx2, AVX2_MR, gemv_multi_avx2, AVX2_GEMV_MR};
+    {"avx2", tables_avx2, gemv_avx2, dequant_tile_avx2, gemm_avx2, AVX2_MR, gemv_multi_avx2, AVX2_GEMV_MR, NULL, NULL};
 #elif defined(NPUMOE_ISA_NEON)
-    {"neon", tables_neon, gemv_neon, dequant_tile_neon, gemm_neon, NEON_MR, gemv_multi_neon, NEON_GEMV_MR};
+    {"neon", tables_neon, gemv_neon, dequant_tile_neon, gemm_neon, NEON_MR, gemv_multi_neon, NEON_GEMV_MR, NULL, NULL};
 #else
-    {"portable", tables_portable, gemv_portable, dequant_tile_portable, gemm_portable, 1, NULL, 1};
+    {"portable", tables_portable, gemv_portable, dequant_tile_portable, gemm_portable, 1, NULL, 1, NULL, NULL};
 #endif
 
 NPUMOE_API const char *npumoe_lut_isa(void) { return ISA.name; }
@@ -267,6 +269,39 @@ NPUMOE_API int npumoe_lut_gemm(const lut_weight *w, const float *x, int m, float
     gemm_job job = {w, xt, m_pad, m, w->row_blocks * LUT_ROWS, y};
     lut_parallel(gemm_range, &job, w->row_blocks, threads, 1);
     free(xt);
+    return 0;
+}
+
+typedef struct {
+    const lut_weight *w;
+    const int8_t *xq;
+    const float *xs;
+    const int32_t *xsum;
+    int m;
+    float *y;
+} gemm_i8_job;
+
+static void gemm_i8_range(void *ctx, int rb0, int rb1) {
+    const gemm_i8_job *job = ctx;
+    ISA.gemm_i8(job->w, job->xq, job->xs, job->xsum, job->m, rb0, rb1, job->y, job->w->row_blocks * LUT_ROWS);
+}
+
+/* y [m][row_blocks*16] = x [m][k] · Wᵀ with x quantised to int8 per group (3-4-bit weights, prefill). Returns -2
+ * where this build has no int8 GEMM, -1 if it cannot allocate. */
+NPUMOE_API int npumoe_lut_gemm_i8(const lut_weight *w, const float *x, int m, float *y, int threads) {
+    if (!ISA.gemm_i8 || w->bits < 3 || w->bits > 4) return -2;
+    const int groups = w->k / w->group;
+    int8_t *xq = malloc((size_t)m * w->k);
+    float *xs = malloc(sizeof(float) * m * groups);
+    int32_t *xsum = malloc(sizeof(int32_t) * m * groups);
+    if (!xq || !xs || !xsum) {
+        free(xq), free(xs), free(xsum);
+        return -1;
+    }
+    ISA.int8_rows(x, m, w->k, w->group, xq, xs, xsum);
+    gemm_i8_job job = {w, xq, xs, xsum, m, y};
+    lut_parallel(gemm_i8_range, &job, w->row_blocks, threads, 1);
+    free(xq), free(xs), free(xsum);
     return 0;
 }
 

@@ -227,7 +227,6 @@ class TorchGraphExecutor:
                     _run_step(step, env)
         return [{name: env[name] for name in e.graph.outputs} for e, env in zip(executors, envs)]
 
-
     @functools.cached_property
     def fused_expert(self):
         """This graph's record for the fused expert kernel calls when it is one plain SwiGLU expert of bf16 or packed

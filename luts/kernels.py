@@ -237,7 +237,7 @@ class NativeCalls:
             raise MemoryError("the LUT GEMM could not allocate its transposed activations")
 
     def gemm_i8(self, w, x, y, threads) -> bool:
-        """The int8-activation GEMM into y; False (nothing run) where this build has none or the width is not 3-4 bits."""
+        """The int8-activation GEMM into y; False (nothing run) where this build has none or W is not 3-4 bits."""
         status = self.lib.npumoe_lut_gemm_i8(w.native, _ptr(x), x.shape[0], _ptr(y), threads)
         if status == -1:
             raise MemoryError("the int8 GEMM could not allocate its quantised activations")

@@ -125,7 +125,8 @@ def test_forms_the_fused_attention_does_not_cover_keep_the_interpreter(tmp_path,
     assert attention_block(spec, 0, bf16.weights) is None
 
 
-@pytest.mark.parametrize("experts, top_k, normalize, scaling", [(6, 2, True, 1.0), (128, 8, False, 2.5), (60, 1, True, 1.0)])
+@pytest.mark.parametrize("experts, top_k, normalize, scaling",
+                         [(6, 2, True, 1.0), (128, 8, False, 2.5), (60, 1, True, 1.0)])
 def test_softmax_routing_in_one_call_equals_route(experts, top_k, normalize, scaling):
     """The fused decode router picks route()'s experts in route()'s order, with its weights and logits to float
     rounding; a router it does not cover (a bias) is left to route()."""

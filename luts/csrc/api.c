@@ -115,7 +115,7 @@ static void gemv_multi_range(void *ctx, int rb0, int rb1) {
         for (int i0 = 0; i0 < job->m; i0 += ISA.gemv_mr) {
             const lut_tables *t[LUT_MAX_GEMV_MR];
             float *y[LUT_MAX_GEMV_MR];
-            for (int r = 0; r < ISA.gemv_mr; r++) { /* a short last batch repeats its last row: same values, same place */
+            for (int r = 0; r < ISA.gemv_mr; r++) { /* a short last pass repeats its last row (same values, place) */
                 const int i = i0 + r < job->m ? i0 + r : job->m - 1;
                 t[r] = &job->t[i], y[r] = job->y + i * rows;
             }

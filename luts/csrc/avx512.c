@@ -271,7 +271,8 @@ void gemm_i8_avx512(const lut_weight *w, const int8_t *xq, const float *xs, cons
 
 void int8_rows_avx512(const float *x, int m, int k, int group, int8_t *xq, float *xs, int32_t *xsum) {
     /* byte 4j + p of each 16-byte half from byte 4p + j: a 4 × 4 transpose */
-    const __m256i order = _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
+    const __m256i order =
+        _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
     const int groups = k / group;
     for (int i = 0; i < m; i++)
         for (int g = 0; g < groups; g++) {

@@ -55,7 +55,8 @@ NPUMOE_API int npumoe_swiglu_experts(const npumoe_swiglu *const *experts, const 
     const int hidden = experts[0]->down.n;
     size_t floats = 0;
     for (int e = 0; e < count; e++)
-        floats += (size_t)padded_rows(&experts[e]->gate) + padded_rows(&experts[e]->up) + padded_rows(&experts[e]->down);
+        floats += (size_t)padded_rows(&experts[e]->gate) + padded_rows(&experts[e]->up) +
+                  padded_rows(&experts[e]->down);
     float *scratch = malloc(sizeof(float) * (floats + 1));
     if (!scratch) return -1;
     const npumoe_matrix *m[2 * count];
@@ -306,7 +307,8 @@ NPUMOE_API int npumoe_decode_layers(const npumoe_layer *layers, int count, float
                                    float *top_w, double *routing_seconds, int threads) {
     const int hidden = layers[0].attention->hidden;
     int experts = 0;
-    for (int l = 0; l < count; l++) experts = layers[l].moe->num_experts > experts ? layers[l].moe->num_experts : experts;
+    for (int l = 0; l < count; l++)
+        experts = layers[l].moe->num_experts > experts ? layers[l].moe->num_experts : experts;
     float *scratch = malloc(sizeof(float) * (3 * (size_t)hidden + experts));
     if (!scratch) return -1;
     float *h = scratch, *z = h + hidden, *y = z + hidden, *logits = y + hidden;

@@ -229,16 +229,16 @@ class TorchGraphExecutor:
 
     @functools.cached_property
     def fused_expert(self):
-        """This graph's record for the fused expert kernel calls when it is one plain SwiGLU expert of bf16 or packed
-        matrices, else None (asked at first use: it needs the kernels, whose absence the first run, not the
+        """This graph's record for the fused expert kernel calls when it is one plain SwiGLU expert (fp32, bf16 or
+        packed matrices), else None (asked at first use: it needs the kernels, whose absence the first run, not the
         construction, reports)."""
         return _swiglu_record(self.graph, self._steps)
 
     @staticmethod
     def combine_many(executors: list[TorchGraphExecutor], x: torch.Tensor, weights: torch.Tensor):
         """Σ_i weights[i] · executor_i({"x": x})["y"] for one token through every expert in one kernel call (a
-        decode token's routed experts); None where that does not apply (an expert that is not a plain SwiGLU of
-        bf16 or packed matrices, another row count or dtype): the caller then runs them one way or another."""
+        decode token's routed experts); None where that does not apply (an expert that is not a plain SwiGLU,
+        another row count or dtype): the caller then runs them one way or another."""
         records = [e.fused_expert for e in executors]
         if not records or any(r is None for r in records):
             return None

@@ -2,9 +2,9 @@
 routing, its routed SwiGLU experts, the MoE layer as a whole, and every layer of a step in one loop.
 
 Through the graph interpreter a token's layer is some forty Python-level steps between its matrix reads; here the
-host makes one call a block (or a step). Each record points into matrices the caller keeps alive: bf16 tensors or
-:class:`~npumoe.luts.torch_op.LutLinear` packed ones, whose GEMVs equal their own calls' results bit for bit; the
-small steps between them are the graph ops' arithmetic in another summation order. Every ``of`` says None where the
+host makes one call a block (or a step). Each record points into matrices the caller keeps alive: fp32 or bf16
+tensors or :class:`~npumoe.luts.torch_op.LutLinear` packed ones (the bf16 and packed GEMVs equal their own calls'
+results bit for bit); the rest is the graph ops' arithmetic in another summation order. Every ``of`` says None where the
 call cannot take what it is given, and every call None where its inputs do not fit: the caller then runs the
 interpreter's path.
 """
@@ -24,12 +24,15 @@ def _calls():
 
 
 def _matrix(w) -> kernels.Matrix | None:
-    """A matrix as the fused calls take it: a packed LutLinear without bias or a C-contiguous 2-D bf16 tensor;
-    None for anything else (fp32 matrices stay on torch's GEMV)."""
+    """A matrix as the fused calls take it: a packed LutLinear without bias or a C-contiguous 2-D bf16 or fp32
+    tensor; None for anything else."""
     if isinstance(w, torch_op.LutLinear) and w.bias is None:
-        return kernels.Matrix(ctypes.pointer(w.tiled().native), None, w.out_features, w.in_features)
-    if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 and w.dim() == 2 and w.is_contiguous():
-        return kernels.Matrix(None, w.data_ptr(), *w.shape)
+        return kernels.Matrix(ctypes.pointer(w.tiled().native), None, None, w.out_features, w.in_features)
+    if isinstance(w, torch.Tensor) and w.dim() == 2 and w.is_contiguous():
+        if w.dtype == torch.bfloat16:
+            return kernels.Matrix(None, w.data_ptr(), None, *w.shape)
+        if w.dtype == torch.float32:
+            return kernels.Matrix(None, None, w.data_ptr(), *w.shape)
     return None
 
 

@@ -40,9 +40,10 @@ class LutTask(ctypes.Structure):
 
 
 class Matrix(ctypes.Structure):
-    """One matrix of a fused expert: a prepared packed weight, or (``lut`` NULL) a bf16 [n, k] one by address."""
+    """One matrix of the fused decode calls: a prepared packed weight, or a bf16 or fp32 [n, k] one by address (the
+    other fields NULL)."""
 
-    _fields_ = [("lut", _W), ("bf16", _P), ("n", _I), ("k", _I)]
+    _fields_ = [("lut", _W), ("bf16", _P), ("f32", _P), ("n", _I), ("k", _I)]
 
 
 class Swiglu(ctypes.Structure):

@@ -60,14 +60,16 @@ def decode(model, mode: str, monkeypatch, steps: int = 12):
     return np.stack(logits), cache, calls
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("mode", ["stack", "blocks"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_fused_decode_equals_the_interpreter_in_bf16(family, mode, tmp_path, monkeypatch):
-    """bf16 matrices (widened exactly in both paths): the same logits to float rounding, the same tokens, the same
-    keys and values in the cache. A step goes through the whole-stack call where every layer is an attention block
-    and a MoE layer (a shared expert, as Qwen2-MoE's, keeps the per-layer path), else one call a block."""
+def test_fused_decode_equals_the_interpreter(family, mode, dtype, tmp_path, monkeypatch):
+    """bf16 matrices (widened exactly in both paths) or fp32 ones: the same logits to float rounding, the same
+    tokens, the same keys and values in the cache. A step goes through the whole-stack call where every layer is an
+    attention block and a MoE layer (a shared expert, as Qwen2-MoE's, keeps the per-layer path), else one call a
+    block."""
     build_checkpoint(FAMILIES[family](), tmp_path)
-    model = npumoe.load(tmp_path, dtype="bfloat16")
+    model = npumoe.load(tmp_path, dtype=dtype)
     fused, fused_cache, calls = decode(model, mode, monkeypatch)
     interpreted, cache, _ = decode(model, "interpreter", monkeypatch)
     stacked = mode == "stack" and family != "qwen2_moe"
@@ -109,20 +111,23 @@ def test_fused_decode_of_packed_matrices_stays_within_the_luts_rounding(isa, tmp
     assert np.abs(fused - interpreted).max() <= max(4 * sensitivity, 1e-5 * scale)
 
 
-def test_forms_the_fused_attention_does_not_cover_keep_the_interpreter(tmp_path, monkeypatch):
-    """fp32 matrices, a sliding window: no fused block, and decode runs as before."""
+def test_forms_the_fused_attention_does_not_cover_keep_the_interpreter(tmp_path):
+    """A sliding window, attention sinks, clipped q/k/v, a layer norm, fp16 matrices: no fused block (the engine
+    then runs the interpreter's graphs)."""
+    import dataclasses
+
     from npumoe.core.runtime.fused import attention_block
 
     build_checkpoint(FAMILIES["mixtral"](), tmp_path)
-    assert attention_block(npumoe.load(tmp_path).spec, 0, npumoe.load(tmp_path).weights) is None  # fp32
-    bf16 = npumoe.load(tmp_path, dtype="bfloat16")
-    assert attention_block(bf16.spec, 0, bf16.weights) is not None
-    import dataclasses
-
-    layer = bf16.spec.layers[0]
-    windowed = dataclasses.replace(layer, attention=dataclasses.replace(layer.attention, sliding_window=8))
-    spec = dataclasses.replace(bf16.spec, layers=(windowed, *bf16.spec.layers[1:]))
-    assert attention_block(spec, 0, bf16.weights) is None
+    model = npumoe.load(tmp_path, dtype="bfloat16")
+    assert attention_block(model.spec, 0, model.weights) is not None
+    layer = model.spec.layers[0]
+    for attention in (dict(sliding_window=8), dict(sinks=True), dict(clip_qkv=1.0)):
+        changed = dataclasses.replace(layer, attention=dataclasses.replace(layer.attention, **attention))
+        assert attention_block(dataclasses.replace(model.spec, layers=(changed,)), 0, model.weights) is None
+    layer_norm = dataclasses.replace(layer, norm=dataclasses.replace(layer.norm, kind="layer"))
+    assert attention_block(dataclasses.replace(model.spec, layers=(layer_norm,)), 0, model.weights) is None
+    assert attention_block(model.spec, 0, npumoe.load(tmp_path, dtype="float16").weights) is None
 
 
 @pytest.mark.parametrize("experts, top_k, normalize, scaling",

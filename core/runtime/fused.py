@@ -3,7 +3,8 @@
 The graph interpreter runs the block as some twenty steps, each a Python-level call through host state that the
 weights streamed since have evicted; the fused call (``npumoe_attention_decode``, luts/csrc/decode.c) runs the same
 ops in C between its matrix reads. It covers grouped-query attention with RMS norms, optional q/k/v/o biases and
-q/k norms, rope over whole heads, and no window, sinks or clipping; anything else keeps the interpreter's path.
+q/k norms, rope over whole heads, and no window, sinks or clipping, over fp32, bf16 or packed matrices; anything else
+keeps the interpreter's path.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from npumoe.luts.decode import AttentionBlock
 
 def attention_block(spec: ModelSpec, i: int, weights) -> AttentionBlock | None:
     """Layer ``i``'s attention block for the fused decode call, or None where it does not apply (another form,
-    fp32 matrices)."""
+    matrices it cannot read)."""
     ls = spec.layers[i]
     att = ls.attention
     if (att.kind != "gqa" or ls.norm.kind != "rms" or att.clip_qkv is not None or att.sliding_window is not None

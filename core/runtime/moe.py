@@ -121,7 +121,7 @@ class MoELayer:
 
     def fused_block(self) -> MoEBlock | None:
         """The whole layer as one kernel call for a decode token (every expert on the CPU, plain softmax routing,
-        SwiGLU experts of bf16 or packed matrices), built at first use; None where it does not apply."""
+        SwiGLU experts of fp32, bf16 or packed matrices), built at first use; None where it does not apply."""
         if self._block is _UNBUILT:
             router = self.moe.router
             plain = router.scoring == "softmax" and self.router_bias is None and self.correction is None

@@ -1,12 +1,13 @@
 /* A decode token's blocks in one call each: the attention block (norm, q/k/v, rope, the cache, attention, o, the
- * residual and the next norm) and the routed experts (Σ_e weight_e · down_e(silu(gate_e x) ⊙ up_e x)).
+ * residual and the next norm), the routing, the routed experts (Σ_e weight_e · down_e(silu(gate_e x) ⊙ up_e x)),
+ * a MoE layer, and every layer of a step.
  *
  * Through the graph interpreter a token's layer is some forty Python-level steps, each a trip through host state
  * that the weights streamed since have evicted: at Qwen3-30B-A3B widths ~300 µs of attention and ~370 µs of
  * experts a layer beside ~650 µs of weight reads. Here each block is a few parallel jobs: the matrices that read
  * one activation streamed as one run on one table build (q, k, v; every expert's gate and up), then the rest.
- * The matrices are bf16 or LUT-packed, per matrix; each GEMV equals its own call's result bit for bit, and the
- * small steps between them are the graph ops' arithmetic in another summation order.
+ * The matrices are fp32, bf16 or LUT-packed, per matrix; each bf16 or LUT GEMV equals its own call's result bit for
+ * bit, and the rest is the graph ops' arithmetic in another summation order.
  */
 #define _POSIX_C_SOURCE 199309L /* clock_gettime */
 #include <math.h>
@@ -16,9 +17,10 @@
 
 #include "lut.h"
 
-typedef struct {
-    const lut_weight *lut; /* packed, or NULL for bf16 */
+typedef struct { /* one of lut, bf16, f32 */
+    const lut_weight *lut; /* packed */
     const uint16_t *bf16;  /* [n][k] */
+    const float *f32;      /* [n][k] */
     int n, k;
 } npumoe_matrix;
 
@@ -32,19 +34,104 @@ typedef struct {
 
 static int padded_rows(const npumoe_matrix *m) { return m->lut ? m->lut->row_blocks * LUT_ROWS : m->n; }
 
+#if defined(__AVX512F__)
+#define DVL 16
+#else
+#define DVL 8
+#endif
+typedef float dvec __attribute__((vector_size(DVL * 4)));
+
+static float dot(const float *a, const float *b, int n) {
+    dvec acc = {0};
+    int i = 0;
+    for (; i + DVL <= n; i += DVL) {
+        dvec va, vb;
+        memcpy(&va, a + i, sizeof va), memcpy(&vb, b + i, sizeof vb);
+        acc += va * vb;
+    }
+    float s = 0.0f;
+    for (int l = 0; l < DVL; l++) s += acc[l];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static void axpy(float *y, float a, const float *x, int n) { /* y += a · x */
+    const dvec va = (dvec){0} + a;
+    int i = 0;
+    for (; i + DVL <= n; i += DVL) {
+        dvec vy, vx;
+        memcpy(&vy, y + i, sizeof vy), memcpy(&vx, x + i, sizeof vx);
+        vy += va * vx;
+        memcpy(y + i, &vy, sizeof vy);
+    }
+    for (; i < n; i++) y[i] += a * x[i];
+}
+
+/* fp32 matrices (a model computed in fp32): each row one contiguous read, prefetched as the bf16 GEMV's rows are. */
+typedef struct {
+    const npumoe_matrix *m;
+    const float *x;
+    float *y;
+} f32_task;
+
+typedef struct {
+    const f32_task *tasks;
+    const int *first_row; /* [count + 1] */
+} f32_batch;
+
+static void f32_rows(void *ctx, int r0, int r1) {
+    const f32_batch *batch = ctx;
+    int t = 0;
+    for (int r = r0; r < r1; r++) {
+        while (batch->first_row[t + 1] <= r) t++;
+        const f32_task *task = &batch->tasks[t];
+        const int k = task->m->k;
+        const float *w = task->m->f32 + (size_t)(r - batch->first_row[t]) * k;
+        dvec even = {0}, odd = {0};
+        int i = 0;
+        for (; i + 2 * DVL <= k; i += 2 * DVL) {
+            __builtin_prefetch(w + i + 4096, 0, 2), __builtin_prefetch(w + i + 1024, 0, 3); /* 16 KB, 4 KB ahead */
+            dvec a, b, c, d;
+            memcpy(&a, w + i, sizeof a), memcpy(&b, task->x + i, sizeof b);
+            memcpy(&c, w + i + DVL, sizeof c), memcpy(&d, task->x + i + DVL, sizeof d);
+            even += a * b, odd += c * d;
+        }
+        float sum = 0.0f;
+        for (int l = 0; l < DVL; l++) sum += even[l] + odd[l];
+        for (; i < k; i++) sum += w[i] * task->x[i];
+        task->y[r - batch->first_row[t]] = sum;
+    }
+}
+
+static void f32_gemv_many(const f32_task *tasks, int count, int threads) {
+    int first_row[count + 1];
+    size_t bytes = 0;
+    first_row[0] = 0;
+    for (int t = 0; t < count; t++) {
+        first_row[t + 1] = first_row[t] + tasks[t].m->n;
+        bytes += (size_t)tasks[t].m->n * tasks[t].m->k * sizeof(float);
+    }
+    f32_batch batch = {tasks, first_row};
+    lut_parallel(f32_rows, &batch, first_row[count], threads, lut_batch_chunk(bytes, first_row[count], threads));
+}
+
 /* y_i = x_i · W_iᵀ for each of `count` matrices: the LUT ones in one job (8-bit tables, as the decode path's GEMV),
- * the bf16 ones in another. */
+ * the bf16 ones in another, the fp32 ones in a third. */
 static int gemv_each(const npumoe_matrix *const *m, const float *const *x, float *const *y, int count, int threads) {
-    npumoe_lut_task lut[2 * count + 1];
-    npumoe_bf16_task bf16[2 * count + 1];
-    int luts = 0, bf16s = 0;
+    npumoe_lut_task lut[count + 1];
+    npumoe_bf16_task bf16[count + 1];
+    f32_task f32[count + 1];
+    int luts = 0, bf16s = 0, f32s = 0;
     for (int i = 0; i < count; i++)
         if (m[i]->lut)
             lut[luts++] = (npumoe_lut_task){m[i]->lut, x[i], y[i]};
-        else
+        else if (m[i]->bf16)
             bf16[bf16s++] = (npumoe_bf16_task){m[i]->bf16, x[i], y[i], 1, m[i]->n, m[i]->k};
+        else
+            f32[f32s++] = (f32_task){m[i], x[i], y[i]};
     if (luts && npumoe_lut_gemv_many(lut, luts, 8, threads)) return -1;
     if (bf16s && npumoe_bf16_gemv_many(bf16, bf16s, threads)) return -1;
+    if (f32s) f32_gemv_many(f32, f32s, threads);
     return 0;
 }
 
@@ -87,40 +174,6 @@ NPUMOE_API int npumoe_swiglu_experts(const npumoe_swiglu *const *experts, const 
 }
 
 /* ---- attention ---- */
-
-
-#if defined(__AVX512F__)
-#define DVL 16
-#else
-#define DVL 8
-#endif
-typedef float dvec __attribute__((vector_size(DVL * 4)));
-
-static float dot(const float *a, const float *b, int n) {
-    dvec acc = {0};
-    int i = 0;
-    for (; i + DVL <= n; i += DVL) {
-        dvec va, vb;
-        memcpy(&va, a + i, sizeof va), memcpy(&vb, b + i, sizeof vb);
-        acc += va * vb;
-    }
-    float s = 0.0f;
-    for (int l = 0; l < DVL; l++) s += acc[l];
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-static void axpy(float *y, float a, const float *x, int n) { /* y += a · x */
-    const dvec va = (dvec){0} + a;
-    int i = 0;
-    for (; i + DVL <= n; i += DVL) {
-        dvec vy, vx;
-        memcpy(&vy, y + i, sizeof vy), memcpy(&vx, x + i, sizeof vx);
-        vy += va * vx;
-        memcpy(y + i, &vy, sizeof vy);
-    }
-    for (; i < n; i++) y[i] += a * x[i];
-}
 
 /* out = x · rsqrt(mean(x²) + eps) · w (out may be x) */
 static void rms_norm(float *out, const float *x, const float *w, int n, float eps) {

@@ -14,7 +14,8 @@ with all of them:
     best 256 MB read pass is printed as the peak;
   * speedups over an fp32 GEMV (torch, rotated fp32 copies) and over dequantise-then-GEMV
     (the kernels' LUT dequantiser writing fp32 W, then the same fp32 GEMV);
-  * prefill, M = 64: the fused LUT-dequant GEMM against an fp32 GEMM (torch).
+  * prefill, M = 64: what npumoe::lut_linear runs for 64 rows on this build (the LUT-GEMV, the int8 GEMM or the
+    dequantising GEMM: torch_op.lut_product) against an fp32 GEMM (torch).
 Other work on the machine skews every figure, so the load average is printed with them.
 """
 
@@ -28,6 +29,7 @@ import torch
 
 from npumoe.luts import layout, spec
 from npumoe.luts.kernels import default_threads, kernels
+from npumoe.luts.torch_op import lut_product
 
 STREAM_BYTES = 256 * 2**20
 FORMATS = {"int4": 4, "int2": 2}
@@ -129,10 +131,12 @@ def run(n: int, k: int, group: int, repeats: int, kernel: str | None, rotate_byt
                 t, read = gemv_against_stream(lut, copies, x, threads, repeats * len(copies))
                 unfused = median_seconds(lambda i: torch.mv(torch.from_numpy(
                     lut.dequantize(copies[i % len(copies)][0], threads, out=dense)), x_t, out=y_t), repeats, 1)
-                prefill = median_seconds(lambda i: lut.gemm(copies[i % len(copies)][0], xs, threads), repeats, 1)
+                prefill = median_seconds(lambda i: lut_product(lut, copies[i % len(copies)][0], xs, threads),
+                                         repeats, 1)
                 row[name] = {"ms": t * 1e3, "gbs": weight.nbytes / t / 1e9, "stream_gbs": weight.nbytes / read / 1e9,
                              "bw_ratio": read / t, "speedup_vs_fp32": fp32_gemv / t, "speedup_vs_dequant": unfused / t,
-                             "prefill_ms": prefill * 1e3, "prefill_vs_fp32": fp32_gemm / prefill}
+                             "prefill_ms": prefill * 1e3, "prefill_vs_fp32": fp32_gemm / prefill,
+                             "prefill_path": lut_product(lut, weight, xs, threads)[1]}
                 advance()
             result["threads"][str(threads)] = row
     finally:

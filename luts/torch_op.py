@@ -25,7 +25,7 @@ GEMM_FROM = {"avx512": 2048, "avx2": 64, "neon": 64, "portable": 64}  # rows × 
 EXACT_GEMM_FROM = 64  # above 4 bits
 
 
-def uses_gemm(rows: int, bits: int) -> bool:
+def uses_gemm(rows: int, bits: int, isa: str | None = None) -> bool:
     """Dequantise once (GEMM) from ``rows × bits ≥ GEMM_FROM[isa]``; below, the LUT-GEMV (a few rows at a time, each
     tile read once for them).
 
@@ -37,7 +37,7 @@ def uses_gemm(rows: int, bits: int) -> bool:
     NEON runs here only under emulation). Above 4 bits the GEMV's 8-bit activation tables, not the weights, set its
     error (MXFP4 experts, 8-bit heads), so the exact dequantising GEMM takes over early there, whatever the ISA.
     """
-    return rows * bits >= (GEMM_FROM[_kernels().isa] if bits <= 4 else EXACT_GEMM_FROM)
+    return rows * bits >= (GEMM_FROM[isa or _kernels().isa] if bits <= 4 else EXACT_GEMM_FROM)
 
 
 @functools.cache
@@ -85,13 +85,18 @@ def _compute(x: torch.Tensor, weight: layout.TiledWeight) -> torch.Tensor:
     if x.shape[-1] != k:
         raise InputError(f"activations of shape {list(x.shape)} do not fit a weight with {k} inputs.")
     rows = x.detach().reshape(-1, k).to(torch.float32).contiguous().numpy()
-    run = _kernels()
-    threads = kernel_threads()
-    if uses_gemm(rows.shape[0], weight.bits):
-        y = run.gemm(weight, rows, threads)
-    elif not (uses_int8(rows.shape[0], weight.bits) and (y := run.gemm_int8(weight, rows, threads)) is not None):
-        y = run.gemv(weight, rows, threads=threads)
+    y, _ = lut_product(_kernels(), weight, rows, kernel_threads())
     return torch.from_numpy(np.ascontiguousarray(y)).reshape(*x.shape[:-1], n).to(x.dtype)
+
+
+def lut_product(run: kernels.LutKernels, weight: layout.TiledWeight, rows: np.ndarray, threads: int):
+    """(y [M, N] = rows · Wᵀ, the path's name) by the path the op takes for M rows on ``run`` 's build: the
+    dequantising GEMM, the int8 GEMM or the LUT-GEMV."""
+    if uses_gemm(rows.shape[0], weight.bits, run.isa):
+        return run.gemm(weight, rows, threads), "dequant GEMM"
+    if uses_int8(rows.shape[0], weight.bits) and (y := run.gemm_int8(weight, rows, threads)) is not None:
+        return y, "int8 GEMM"
+    return run.gemv(weight, rows, threads=threads), "LUT-GEMV"
 
 
 INT8_FROM = 8  # rows from which 3-4-bit weights take the int8-activation GEMM where the build has one

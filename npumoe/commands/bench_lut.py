@@ -21,15 +21,15 @@ def render(result: dict, console: Console) -> None:
                          "(weights rotated through DRAM)")
     for col in ("threads", "format", "ms", "GB/s", "read GB/s", "of BW", "× fp32", "× dequant+fp32"):
         decode.add_column(col, justify="right")
-    prefill = Table(title=f"Prefill: fused LUT-dequant GEMM, M = {PREFILL_ROWS}")
-    for col in ("threads", "format", "LUT ms", "fp32 ms", "× fp32"):
+    prefill = Table(title=f"Prefill: {PREFILL_ROWS} rows, the path npumoe::lut_linear takes")
+    for col in ("threads", "format", "path", "ms", "fp32 ms", "× fp32"):
         prefill.add_column(col, justify="right")
     for threads, row in result["threads"].items():
         for name in FORMATS:
             r = row[name]
             decode.add_row(threads, name, f"{r['ms']:.3f}", f"{r['gbs']:.1f}", f"{r['stream_gbs']:.1f}", f"{r['bw_ratio']:.2f}",
                            f"{r['speedup_vs_fp32']:.1f}", f"{r['speedup_vs_dequant']:.1f}")
-            prefill.add_row(threads, name, f"{r['prefill_ms']:.1f}", f"{row['fp32_gemm_ms']:.1f}",
+            prefill.add_row(threads, name, r["prefill_path"], f"{r['prefill_ms']:.1f}", f"{row['fp32_gemm_ms']:.1f}",
                             f"{r['prefill_vs_fp32']:.2f}")
     console.print(decode)
     console.print(prefill)

@@ -1,5 +1,6 @@
 """A decode token's blocks as one kernel call each (luts/csrc/decode.c): a layer's attention block, its softmax
-routing, its routed SwiGLU experts, the MoE layer as a whole, and every layer of a step in one loop.
+routing, its routed SwiGLU experts, the MoE layer as a whole, and a whole decode step (embedding, every layer, the LM
+head).
 
 Through the graph interpreter a token's layer is some forty Python-level steps between its matrix reads; here the
 host makes one call a block (or a step). Each record points into matrices the caller keeps alive: fp32 or bf16
@@ -153,23 +154,29 @@ class MoEBlock:
         return y, top_i, top_w, logits, routing
 
 
-class DecodeStack:
-    """Every layer of a decode step in one call: each layer's attention block, its MoE layer and the residual, with
-    no host step between them. Each layer brings its blocks, its cache tensors and its rope tables [positions,
-    head_dim] (row p for position p)."""
+class DecodeStep:
+    """A whole decode step in one call: the token's embedding row, every layer's attention block, MoE layer and
+    residual with no host step between them, the final RMS norm and the LM head. Each layer brings its blocks, its
+    cache tensors and its rope tables [positions, head_dim] (row p for position p)."""
 
-    def __init__(self, layers: ctypes.Array, hidden: int, top_k: int, keep: list):
-        self.layers, self.hidden, self.top_k, self._keep = layers, hidden, top_k, keep
-        self.capacity = min(layer.capacity for layer in layers)
+    def __init__(self, record: kernels.Model, vocab: int, top_k: int, keep: list):
+        self.record, self.vocab, self.top_k, self._keep = record, vocab, top_k, keep
+        self.capacity = min(record.layers[i].capacity for i in range(record.count))
 
     @classmethod
-    def of(cls, layers: list[tuple[AttentionBlock, MoEBlock, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
-           ) -> DecodeStack | None:
-        """From (attention, moe, k_cache, v_cache, cos, sin) per layer; None where a layer's pieces do not fit."""
+    def of(cls, layers: list[tuple[AttentionBlock, MoEBlock, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]],
+           *, embedding: torch.Tensor, embedding_scale: float, norm: torch.Tensor, norm_eps: float, head
+           ) -> DecodeStep | None:
+        """From (attention, moe, k_cache, v_cache, cos, sin) per layer, the embedding (bf16 or fp32 [vocab, hidden]),
+        the final norm's weight and the LM head (a matrix :func:`_matrix` takes, no bias); None where a piece does
+        not fit."""
+        if not layers or not hasattr(_calls(), "decode_step_at"):
+            return None
+        hidden = layers[0][0].record.hidden
         records = []
         for attention, moe, k_cache, v_cache, cos, sin in layers:
             a = attention.record
-            if not (_cache_fits(k_cache, v_cache, 0) and moe.record.hidden == a.hidden == layers[0][0].record.hidden
+            if not (_cache_fits(k_cache, v_cache, 0) and moe.record.hidden == a.hidden == hidden
                     and cos.shape == sin.shape and cos.shape[-1] == a.head_dim and cos.dtype == torch.float32
                     and cos.is_contiguous() and sin.is_contiguous()
                     and k_cache.shape == v_cache.shape == (a.kv_heads, k_cache.shape[1], a.head_dim)):
@@ -178,18 +185,22 @@ class DecodeStack:
                                          v_cache.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                          min(k_cache.shape[1], cos.shape[0])))
         top_k = {moe.record.top_k for _, moe, *_ in layers}
-        if not records or len(top_k) != 1 or not hasattr(_calls(), "decode_layers_at"):
+        table, lm_head = _matrix(embedding), _matrix(head)
+        if len(top_k) != 1 or table is None or table.lut or lm_head is None or table.k != hidden or lm_head.k != hidden:
             return None
-        return cls((kernels.Layer * len(records))(*records), layers[0][0].record.hidden, top_k.pop(), layers)
+        norm = norm.detach().to(torch.float32).contiguous()
+        array = (kernels.Layer * len(records))(*records)
+        record = kernels.Model(array, len(records), table, embedding_scale, norm.data_ptr(), norm_eps, lm_head)
+        return cls(record, lm_head.n, top_k.pop(), [layers, array, norm, embedding, head])
 
-    def __call__(self, x: torch.Tensor, position: int):
-        """(the last layer's output [1, H], experts and weights [layers, k], the routing's seconds) for one token
-        x [1, H] at ``position``, its keys and values written to every layer's cache; None where it does not fit."""
-        if not (_fits(x, self.hidden) and 0 <= position < self.capacity):
+    def __call__(self, token: int, position: int):
+        """(logits [1, vocab], experts and weights [layers, k], the routing's seconds) for ``token`` at ``position``,
+        its keys and values written to every layer's cache; None where the position is past the caches."""
+        if not 0 <= position < self.capacity:
             return None
-        x = x.clone(memory_format=torch.contiguous_format)
-        top_i = torch.empty(len(self.layers), self.top_k, dtype=torch.int64)
-        top_w = torch.empty(len(self.layers), self.top_k)
-        routing = _calls().decode_layers_at(self.layers, x.data_ptr(), position, top_i.data_ptr(), top_w.data_ptr(),
-                                            torch_op.kernel_threads())
-        return x, top_i, top_w, routing
+        logits = torch.empty(1, self.vocab)
+        top_i = torch.empty(self.record.count, self.top_k, dtype=torch.int64)
+        top_w = torch.empty(self.record.count, self.top_k)
+        routing = _calls().decode_step_at(self.record, token, position, logits.data_ptr(), top_i.data_ptr(),
+                                          top_w.data_ptr(), torch_op.kernel_threads())
+        return logits, top_i, top_w, routing

@@ -72,11 +72,18 @@ class Attention(ctypes.Structure):
 
 
 class Layer(ctypes.Structure):
-    """One layer of ``npumoe_decode_layers``: its attention and MoE records, its caches and rope tables by address,
+    """One layer of ``npumoe_decode_step``: its attention and MoE records, its caches and rope tables by address,
     and the positions both hold."""
 
     _fields_ = [("attention", ctypes.POINTER(Attention)), ("moe", ctypes.POINTER(MoE)), ("k_cache", _P),
                 ("v_cache", _P), ("cos", _P), ("sin", _P), ("capacity", _I)]
+
+
+class Model(ctypes.Structure):
+    """A whole model for ``npumoe_decode_step``: its layers, embedding, final RMS norm and LM head."""
+
+    _fields_ = [("layers", ctypes.POINTER(Layer)), ("count", _I), ("embedding", Matrix),
+                ("embedding_scale", ctypes.c_float), ("norm", _P), ("norm_eps", ctypes.c_float), ("head", Matrix)]
 
 
 _SIGNATURES = {
@@ -94,8 +101,8 @@ _SIGNATURES = {
     "npumoe_swiglu_experts": ([ctypes.POINTER(ctypes.POINTER(Swiglu)), _P, _I, _P, _P, _I], ctypes.c_int),
     "npumoe_route_softmax": ([_P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _I], None),
     "npumoe_moe_decode": ([ctypes.POINTER(MoE), _P, _P, _P, _P, _P, ctypes.POINTER(ctypes.c_double), _I], ctypes.c_int),
-    "npumoe_decode_layers": ([ctypes.POINTER(Layer), _I, _P, _I, _P, _P, ctypes.POINTER(ctypes.c_double), _I],
-                             ctypes.c_int),
+    "npumoe_decode_step": ([ctypes.POINTER(Model), ctypes.c_int64, _I, _P, _P, _P, ctypes.POINTER(ctypes.c_double),
+                            _I], ctypes.c_int),
     "npumoe_attention_decode": ([ctypes.POINTER(Attention), _P, _P, _P, _I, _P, _P, _I, _P, _P, _I], ctypes.c_int),
 }
 
@@ -199,13 +206,13 @@ class NativeCalls:
                                             z, threads):
             raise MemoryError("the fused attention could not allocate its scratch")
 
-    def decode_layers_at(self, layers: ctypes.Array, x: int, position: int, top_i: int, top_w: int,
-                         threads: int) -> float:
-        """A decode token through every layer of ``layers`` (an array of :class:`Layer`), x [hidden] fp32 in and
-        out by address, each layer's routing into top_i / top_w [layer, k]; returns the routings' seconds."""
+    def decode_step_at(self, model: Model, token: int, position: int, logits: int, top_i: int, top_w: int,
+                       threads: int) -> float:
+        """One decode token through the whole ``model``: its logits [vocab] (fp32, by address), each layer's routing
+        into top_i / top_w [layer, k]; returns the routings' seconds."""
         routing = ctypes.c_double()
-        if self.lib.npumoe_decode_layers(layers, len(layers), x, position, top_i, top_w, ctypes.byref(routing),
-                                         threads):
+        if self.lib.npumoe_decode_step(ctypes.byref(model), token, position, logits, top_i, top_w,
+                                       ctypes.byref(routing), threads):
             raise MemoryError("the decode step could not allocate its scratch")
         return routing.value
 

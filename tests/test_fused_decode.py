@@ -1,7 +1,7 @@
-"""A decode token's attention block, routing and routed experts as one kernel call each (luts/csrc/decode.c) against the
-graph interpreter running the same graphs step by step (itself checked against transformers in test_family_*),
-for every attention form the fused call covers: q/k norms per head (Qwen3) and over all heads (OLMoE), q/k/v biases
-with a shared expert (Qwen2-MoE), plain (Mixtral); bf16 and packed matrices."""
+"""A decode token's fused kernel calls (luts/csrc/decode.c: an attention block, routing, routed experts, a MoE layer, a
+whole step) against the graph interpreter running the same graphs op by op (itself checked against transformers in
+test_family_*), for every attention form the calls cover: q/k norms per head (Qwen3) and over all heads (OLMoE, with
+a tied LM head), q/k/v biases with a shared expert (Qwen2-MoE), plain (Mixtral); fp32, bf16 and packed matrices."""
 
 import functools
 
@@ -21,7 +21,7 @@ SMALL = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_h
 FAMILIES = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SMALL, intermediate_size=40, moe_intermediate_size=24,
                                                      head_dim=16, num_experts=6, norm_topk_prob=True),
-    "olmoe": lambda: transformers.OlmoeConfig(**SMALL, intermediate_size=24, num_experts=8),
+    "olmoe": lambda: transformers.OlmoeConfig(**SMALL, intermediate_size=24, num_experts=8, tie_word_embeddings=True),
     "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**SMALL, intermediate_size=40, moe_intermediate_size=24,
                                                      shared_expert_intermediate_size=32, num_experts=6),
     "mixtral": lambda: transformers.MixtralConfig(**SMALL, intermediate_size=24, num_local_experts=6),
@@ -36,15 +36,15 @@ def counted(cls, calls: dict, key: str, patch) -> None:
 
 def decode(model, mode: str, monkeypatch, steps: int = 12):
     """Logits of ``steps`` greedy decode tokens after a 21-token prompt, the KV cache after them, and how many fused
-    calls ran. ``mode``: "stack" (every fused path), "blocks" (a fused call per block, no stack), "interpreter" (the
-    graphs' steps and route())."""
-    calls = {"stack": 0, "attention": 0, "moe": 0}
+    calls ran. ``mode``: "step" (every fused path), "blocks" (a fused call per block, no whole-step call),
+    "interpreter" (the graphs' steps and route())."""
+    calls = {"step": 0, "attention": 0, "moe": 0}
     with monkeypatch.context() as patch:
-        counted(fused.DecodeStack, calls, "stack", patch)
+        counted(fused.DecodeStep, calls, "step", patch)
         counted(fused.AttentionBlock, calls, "attention", patch)
         counted(fused.MoEBlock, calls, "moe", patch)
-        if mode != "stack":
-            patch.setattr(engine_module.Engine, "_decode_stack", lambda self: None)
+        if mode != "step":
+            patch.setattr(engine_module.Engine, "_decode_step", lambda self: None)
         if mode == "interpreter":
             patch.setattr(engine_module, "attention_block", lambda *args: None)
             patch.setattr(moe_module.MoEBlock, "of", lambda *args: None)
@@ -61,20 +61,20 @@ def decode(model, mode: str, monkeypatch, steps: int = 12):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("mode", ["stack", "blocks"])
+@pytest.mark.parametrize("mode", ["step", "blocks"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fused_decode_equals_the_interpreter(family, mode, dtype, tmp_path, monkeypatch):
     """bf16 matrices (widened exactly in both paths) or fp32 ones: the same logits to float rounding, the same
-    tokens, the same keys and values in the cache. A step goes through the whole-stack call where every layer is an
-    attention block and a MoE layer (a shared expert, as Qwen2-MoE's, keeps the per-layer path), else one call a
-    block."""
+    tokens, the same keys and values in the cache. A step goes through the whole-step call (embedding to logits)
+    where every layer is an attention block and a MoE layer (a shared expert, as Qwen2-MoE's, keeps the per-layer
+    path), else one call a block."""
     build_checkpoint(FAMILIES[family](), tmp_path)
     model = npumoe.load(tmp_path, dtype=dtype)
     fused, fused_cache, calls = decode(model, mode, monkeypatch)
     interpreted, cache, _ = decode(model, "interpreter", monkeypatch)
-    stacked = mode == "stack" and family != "qwen2_moe"
-    layers = 0 if stacked else 12 * model.spec.num_layers
-    assert calls == {"stack": 12 * stacked, "attention": layers, "moe": layers}  # (every layer a MoE layer here)
+    whole = mode == "step" and family != "qwen2_moe"
+    layers = 0 if whole else 12 * model.spec.num_layers
+    assert calls == {"step": 12 * whole, "attention": layers, "moe": layers}  # (every layer a MoE layer here)
     np.testing.assert_allclose(fused, interpreted, rtol=0, atol=2e-5 * np.abs(interpreted).max())
     assert (fused.argmax(-1) == interpreted.argmax(-1)).all()
     for mine, theirs in zip(fused_cache, cache):
@@ -99,9 +99,9 @@ def test_fused_decode_of_packed_matrices_stays_within_the_luts_rounding(isa, tmp
     build_checkpoint(config, tmp_path / "hf")
     quantize_checkpoint(tmp_path / "hf", tmp_path / "q", bits=4, group=32, linears="all")
     model = npumoe.load(tmp_path / "q")
-    fused, _, calls = decode(model, "stack", monkeypatch)
+    fused, _, calls = decode(model, "step", monkeypatch)
     interpreted, _, _ = decode(model, "interpreter", monkeypatch)
-    assert calls == {"stack": 12, "attention": 0, "moe": 0}
+    assert calls == {"step": 12, "attention": 0, "moe": 0}
     with monkeypatch.context() as patch:
         embed = engine_module.Engine._embed
         patch.setattr(engine_module.Engine, "_embed", lambda self, ids, valid: embed(self, ids, valid) * (1 + 1e-7))

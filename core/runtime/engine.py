@@ -30,7 +30,7 @@ from npumoe.core.runtime.residency import ResidentExecutors
 from npumoe.core.spec import MoESpec
 from npumoe.core.weights import compute_bytes
 from npumoe.errors import InputError, NumericError
-from npumoe.luts.decode import AttentionBlock, DecodeStack
+from npumoe.luts.decode import AttentionBlock, DecodeStep
 from npumoe.luts.torch_op import torch_on_one_thread
 
 DEFAULT_CHUNK = 64
@@ -45,7 +45,7 @@ def _chunk_by_chunk(observe, sizes: list[int], layer: int, experts, weights, att
         observe(layer, *parts)
 
 
-_UNBUILT = object()  # a fused decode stack not yet asked for
+_UNBUILT = object()  # a fused decode step not yet asked for
 
 # Every public run is in torch's inference mode: no autograd or version-counter bookkeeping on any op. A decode
 # step is a few hundred small ops; on the demo model this is ~15 % of its time.
@@ -112,7 +112,7 @@ class Engine:
         self._rope_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._decode_masks = DecodeMasks()
         self._fused_attention_blocks: dict[int, AttentionBlock | None] = {}
-        self._stack: DecodeStack | None | object = _UNBUILT
+        self._step_call: DecodeStep | None | object = _UNBUILT
         ropes = [(ls.attention.rope, ls.attention.qk_rope_head_dim if ls.attention.kind == "mla"
                   else ls.attention.head_dim) for ls in self.spec.layers]  # (rope, rotated dims) per layer
         self._ropes = dict(enumerate(ropes))
@@ -306,16 +306,15 @@ class Engine:
         """One static-shape pass over ``len(ids)`` positions, the first ``valid`` real; their logits
         unless ``lm_head`` is off."""
         start = self.cache.length
+        if valid == ids.shape[0] == 1 and lm_head and (logits := self._fused_step(int(ids[0]), start)) is not None:
+            self.cache.length += valid
+            return logits
         x = self._embed(ids, valid)
-        through = self._through_stack(x, start) if valid == ids.shape[0] == 1 else None
-        if through is not None:
-            x = through
-        else:
-            shared: dict[tuple, object] = {}  # one step's rope rows and masks, for the layers alike in them
-            for i, step in enumerate(self.program.layers):
-                h, z = self._attention(i, x, start, valid, shared)
-                y = self._feed_forward(i, z, h - x, valid)
-                x = self._residual(i, x, h, y, valid)
+        shared: dict[tuple, object] = {}  # one step's rope rows and masks, for the layers alike in them
+        for i, step in enumerate(self.program.layers):
+            h, z = self._attention(i, x, start, valid, shared)
+            y = self._feed_forward(i, z, h - x, valid)
+            x = self._residual(i, x, h, y, valid)
         self.cache.length += valid
         return self._lm_head(x, valid) if lm_head else None
 
@@ -392,19 +391,19 @@ class Engine:
         self.cache.write(i, out["k_new"], out["v_new"], start, valid)
         return out["h"], out["z"]
 
-    def _through_stack(self, x: torch.Tensor, start: int) -> torch.Tensor | None:
-        """A decode token through every layer in one kernel call (:meth:`_decode_stack`), with the metrics the
-        layer-by-layer path keeps; None where the stack does not apply, or where its output is not finite (the
-        layer-by-layer path then runs the step again, writing the same cache slots, and names the layer)."""
-        stack = self._decode_stack()
-        if stack is None:
+    def _fused_step(self, token: int, start: int) -> torch.Tensor | None:
+        """A decode token's logits [1, vocab] from one kernel call (:meth:`_decode_step`), with the metrics the
+        layer-by-layer path keeps; None where the call does not apply, or where its logits are not finite (the
+        layer-by-layer path then runs the step again, writing the same cache slots, and names the graph)."""
+        step = self._decode_step()
+        if step is None:
             return None
         m, begin = self.metrics_, time.perf_counter()
-        out = stack(x, start)
+        out = step(token, start)
         if out is None:
             return None
         end = time.perf_counter()
-        x, experts, _, routing = out
+        logits, experts, _, routing = out
         m.record("layers", begin, end)
         m.record("router", begin, begin + routing)
         m.record("executor", begin + routing, end)
@@ -413,26 +412,34 @@ class Engine:
             m.count_runs([attention])
             self._count_launch(attention)
             self.moe_layers[(i, 1)].count_decode(picked, m)
-        return x if self._finite(x, 1) else None
+        m.count_runs([self.program.lm_head[1]])
+        self._count_launch(self.program.lm_head[1])
+        return logits if self._finite(logits, 1) else None
 
-    def _decode_stack(self) -> DecodeStack | None:
-        """Every layer as one kernel call for a decode token, where each is an attention block and a CPU MoE layer
-        the fused calls cover and nothing watches the layers (no ``on_route``, no predictor); built at first use."""
-        if self._stack is _UNBUILT:
-            self._stack = None
-            layers, program = [], self.program
-            if self.on_route is None and self.predictor is None and 1 in program.seqs:
-                for i, step in enumerate(program.layers):
-                    attention = self._fused_attention(i, step.attention[1])
-                    moe = self.moe_layers[(i, 1)].fused_block() if step.moe is not None and not step.moe.shared \
-                        and not self.moe_layers[(i, 1)].static else None
-                    if attention is None or moe is None:
-                        return None
-                    key = self._rope_keys[i]
-                    self._rope_rows(key, 0, 1)  # (its table of every position, built once)
-                    layers.append((attention, moe, self.cache.k[i], self.cache.v[i], *self._rope_tables[key]))
-                self._stack = DecodeStack.of(layers)
-        return self._stack
+    def _decode_step(self) -> DecodeStep | None:
+        """The whole decode step as one kernel call, where every layer is an attention block and a CPU MoE layer
+        the fused calls cover, the final norm is RMS, the LM head has no bias, and nothing watches the layers (no
+        ``on_route``, no predictor); built at first use."""
+        if self._step_call is _UNBUILT:
+            self._step_call = None
+            layers, program, spec, weights = [], self.program, self.spec, self.model.weights
+            if self.on_route is not None or self.predictor is not None or 1 not in program.seqs or spec.lm_head_bias \
+                    or spec.norm.kind != "rms" or type(self.executors[program.lm_head[1]]) is not TorchGraphExecutor:
+                return None
+            for i, step in enumerate(program.layers):
+                attention = self._fused_attention(i, step.attention[1])
+                moe = self.moe_layers[(i, 1)].fused_block() if step.moe is not None and not step.moe.shared \
+                    and not self.moe_layers[(i, 1)].static else None
+                if attention is None or moe is None:
+                    return None
+                key = self._rope_keys[i]
+                self._rope_rows(key, 0, 1)  # (its table of every position, built once)
+                layers.append((attention, moe, self.cache.k[i], self.cache.v[i], *self._rope_tables[key]))
+            packed = getattr(weights, "packed", {})
+            head = packed["lm_head.weight"] if "lm_head.weight" in packed else weights["lm_head.weight"]
+            self._step_call = DecodeStep.of(layers, embedding=self.embedding, embedding_scale=spec.embedding_scale,
+                                            norm=weights["norm.weight"], norm_eps=spec.norm.eps, head=head)
+        return self._step_call
 
     def _fused_attention(self, i: int, name: str) -> AttentionBlock | None:
         """Layer ``i``'s attention block as one kernel call for a decode token, where the interpreter runs graph

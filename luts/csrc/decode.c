@@ -1,6 +1,6 @@
 /* A decode token's blocks in one call each: the attention block (norm, q/k/v, rope, the cache, attention, o, the
  * residual and the next norm), the routing, the routed experts (Σ_e weight_e · down_e(silu(gate_e x) ⊙ up_e x)),
- * a MoE layer, and every layer of a step.
+ * a MoE layer, and a whole decode step (embedding, every layer, final norm, LM head).
  *
  * Through the graph interpreter a token's layer is some forty Python-level steps, each a trip through host state
  * that the weights streamed since have evicted: at Qwen3-30B-A3B widths ~300 µs of attention and ~370 µs of
@@ -33,6 +33,13 @@ typedef struct {
 #define THREADED_BYTES (1 << 18)
 
 static int padded_rows(const npumoe_matrix *m) { return m->lut ? m->lut->row_blocks * LUT_ROWS : m->n; }
+
+static float widen1(uint16_t bf16) { /* a bf16 value is the top half of an fp32 one */
+    const uint32_t bits = (uint32_t)bf16 << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 #if defined(__AVX512F__)
 #define DVL 16
@@ -343,7 +350,7 @@ NPUMOE_API int npumoe_moe_decode(const npumoe_moe *moe, const float *z, float *y
     return npumoe_swiglu_experts(picked, top_w, moe->top_k, z, y, threads);
 }
 
-/* ---- a decode token through every layer ---- */
+/* ---- a decode token through the whole model ---- */
 
 typedef struct {
     const npumoe_attention *attention;
@@ -353,31 +360,53 @@ typedef struct {
     int capacity;
 } npumoe_layer;
 
-/* x [hidden] (the embedding in, the last layer's residual out) through `count` layers, each its attention block
- * then its MoE layer then the residual, with no host step between them; the routing of layer l into
- * top_i / top_w [l][top_k], its summed wall time into *routing_seconds. Returns -1 if it cannot allocate. */
-NPUMOE_API int npumoe_decode_layers(const npumoe_layer *layers, int count, float *x, int position, int64_t *top_i,
-                                   float *top_w, double *routing_seconds, int threads) {
-    const int hidden = layers[0].attention->hidden;
+typedef struct {
+    const npumoe_layer *layers;
+    int count;
+    npumoe_matrix embedding; /* [vocab][hidden], bf16 or fp32 */
+    float embedding_scale;
+    const float *norm;       /* the final RMS norm [hidden] */
+    float norm_eps;
+    npumoe_matrix head;      /* [vocab][hidden] */
+} npumoe_model;
+
+/* One decode token: its embedding row, every layer (attention block, MoE layer, residual) with no host step
+ * between them, the final norm and the LM head into logits [vocab]; layer l's routing into top_i / top_w
+ * [l][top_k], their summed wall time into *routing_seconds. Returns -1 if it cannot allocate. */
+NPUMOE_API int npumoe_decode_step(const npumoe_model *model, int64_t token, int position, float *logits,
+                                  int64_t *top_i, float *top_w, double *routing_seconds, int threads) {
+    const int hidden = model->layers[0].attention->hidden;
     int experts = 0;
-    for (int l = 0; l < count; l++)
-        experts = layers[l].moe->num_experts > experts ? layers[l].moe->num_experts : experts;
-    float *scratch = malloc(sizeof(float) * (3 * (size_t)hidden + experts));
+    for (int l = 0; l < model->count; l++)
+        experts = model->layers[l].moe->num_experts > experts ? model->layers[l].moe->num_experts : experts;
+    float *scratch = malloc(sizeof(float) * (4 * (size_t)hidden + experts + padded_rows(&model->head)));
     if (!scratch) return -1;
-    float *h = scratch, *z = h + hidden, *y = z + hidden, *logits = y + hidden;
+    float *x = scratch, *h = x + hidden, *z = h + hidden, *y = z + hidden, *router = y + hidden;
+    float *head = router + experts;
+    const size_t row = (size_t)token * hidden;
+    for (int i = 0; i < hidden; i++)
+        x[i] = (model->embedding.bf16 ? widen1(model->embedding.bf16[row + i]) : model->embedding.f32[row + i]) *
+               model->embedding_scale;
     int failed = 0;
     *routing_seconds = 0.0;
-    for (int l = 0; l < count && !failed; l++) {
-        const npumoe_layer *layer = &layers[l];
-        const size_t row = (size_t)position * layer->attention->head_dim;
+    for (int l = 0; l < model->count && !failed; l++) {
+        const npumoe_layer *layer = &model->layers[l];
+        const size_t at = (size_t)position * layer->attention->head_dim;
         double routing = 0.0;
-        failed = npumoe_attention_decode(layer->attention, x, layer->cos + row, layer->sin + row, position,
+        failed = npumoe_attention_decode(layer->attention, x, layer->cos + at, layer->sin + at, position,
                                          layer->k_cache, layer->v_cache, layer->capacity, h, z, threads) ||
-                 npumoe_moe_decode(layer->moe, z, y, logits, top_i, top_w, &routing, threads);
+                 npumoe_moe_decode(layer->moe, z, y, router, top_i, top_w, &routing, threads);
         *routing_seconds += routing;
         for (int i = 0; i < hidden; i++) x[i] = h[i] + y[i];
         top_i += layer->moe->top_k, top_w += layer->moe->top_k;
     }
+    if (!failed) {
+        rms_norm(z, x, model->norm, hidden, model->norm_eps);
+        const npumoe_matrix *m = &model->head;
+        const float *in = z;
+        failed = gemv_each(&m, &in, &head, 1, threads);
+    }
+    if (!failed) memcpy(logits, head, sizeof(float) * model->head.n);
     free(scratch);
     return failed;
 }

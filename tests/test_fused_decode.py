@@ -147,3 +147,18 @@ def test_softmax_routing_in_one_call_equals_route(experts, top_k, normalize, sca
     torch.testing.assert_close(top_w, want_w, rtol=1e-4, atol=0)  # (a logit off by δ moves its weight by ~δ)
     torch.testing.assert_close(logits, want_logits, rtol=0, atol=1e-5 * float(want_logits.abs().max()))
     assert fused.softmax_route(z.double(), w, top_k, normalize, scaling) is None
+
+
+def test_a_non_finite_fused_step_reruns_layer_by_layer_and_names_the_layer(tmp_path):
+    """A NaN reaching a decode token inside the whole-step call is not returned: the step runs again layer by layer
+    (writing the same cache slots) and stops at the graph that produced it, as it would have without the call."""
+    from npumoe.errors import NumericError
+
+    build_checkpoint(FAMILIES["mixtral"](), tmp_path)
+    model = npumoe.load(tmp_path)
+    engine = npumoe.Engine(model, chunk=8)
+    engine.generate(np.arange(3, 24), max_new_tokens=1)
+    assert engine._decode_step() is not None
+    model.weights["layers.1.attn.o.weight"][0, 0] = float("nan")  # the matrix the fused call reads
+    with pytest.raises(NumericError, match="layer 1's attention"):
+        engine.decode(7)

@@ -288,14 +288,18 @@ def quantize_tables(table: np.ndarray, group: int, table_bits: int = 8):
     """Tables → (integer tables [K/4, 16], fp32 scale per group of activations [K/group])."""
     if table_bits not in TABLE_BITS:
         raise InputError(f"table precision {table_bits} is not supported; use 8 or 16 bits.")
-    qmax = np.float32(TABLE_MAX[table_bits])
-    blocks = table.reshape(-1, group // 4 * 16)
+    tq, t_scales = _symmetric(table.reshape(-1, group // 4 * 16), TABLE_MAX[table_bits], TABLE_DTYPE[table_bits])
+    return tq.reshape(table.shape), t_scales
+
+
+def _symmetric(blocks: np.ndarray, qmax: int, dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Each row of ``blocks`` (fp32) as integers at max|row|/qmax, rounded half to even, and those scales."""
+    qmax = np.float32(qmax)
     amax = np.abs(blocks).max(1)
     nonzero = amax > 0
     inv = np.zeros_like(amax)
     inv[nonzero] = qmax / amax[nonzero]
-    tq = np.rint(blocks * inv[:, None]).astype(TABLE_DTYPE[table_bits]).reshape(table.shape)
-    return tq, (amax / qmax).astype(np.float32)
+    return np.rint(blocks * inv[:, None]).astype(dtype), (amax / qmax).astype(np.float32)
 
 
 def table_sums(tq: np.ndarray, group: int) -> np.ndarray:
@@ -349,11 +353,8 @@ def float_lut_gemv(packed: Packed, x: np.ndarray) -> np.ndarray:
 def quantize_activations(x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray]:
     """x [K] → (int8 [K], fp32 scale per group [K/group]): symmetric at max|x|/127, rounded half to even — the
     int8 prefill's activations (as the tables of lut_gemv, but of the inputs themselves)."""
-    blocks = x.astype(np.float32).reshape(-1, group)
-    amax = np.abs(blocks).max(1)
-    inv = np.zeros_like(amax)
-    inv[amax > 0] = np.float32(127) / amax[amax > 0]
-    return np.rint(blocks * inv[:, None]).astype(np.int8).reshape(-1), (amax / np.float32(127)).astype(np.float32)
+    xq, scales = _symmetric(x.astype(np.float32).reshape(-1, group), 127, np.int8)
+    return xq.reshape(-1), scales
 
 
 def int8_accumulate(packed: Packed, xq: np.ndarray) -> np.ndarray:

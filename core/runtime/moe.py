@@ -124,10 +124,9 @@ class MoELayer:
         SwiGLU experts of fp32, bf16 or packed matrices), built at first use; None where it does not apply."""
         if self._block is _UNBUILT:
             router = self.moe.router
-            plain = router.scoring == "softmax" and self.router_bias is None and self.correction is None
             experts = [getattr(self.expert_executors[e], "fused_expert", None) for e in range(self.moe.num_experts)]
             self._block = MoEBlock.of(self._router_matrix(), experts, router.top_k, router.normalize,
-                                      router.routed_scaling) if plain else None
+                                      router.routed_scaling) if self._plain_softmax_router() else None
         return self._block
 
     def _decode_fused(self, block: MoEBlock, z: torch.Tensor, attn_out: torch.Tensor, m: Metrics, on_route):
@@ -148,11 +147,20 @@ class MoELayer:
         return y
 
     def count_decode(self, experts: list[int], m: Metrics) -> None:
-        """A fused decode token's counts: its routed pairs, one CPU launch and one expert's weights per expert."""
+        """A fused decode token's counts: its routed pairs, and each expert's call as the step-by-step path counts
+        it."""
         m.count_runs([self._cpu_names[e] for e in experts])
         m.add("routed", len(experts))
-        m.add("cpu_launches", len(experts))
-        m.add("weight_bytes", len(experts) * self.expert_bytes)
+        self._count_cpu_calls(len(experts), m)
+
+    def _count_cpu_calls(self, experts: int, m: Metrics) -> None:
+        """One CPU launch and one expert's weights for each of ``experts`` CPU expert calls."""
+        m.add("cpu_launches", experts)
+        m.add("weight_bytes", experts * self.expert_bytes)
+
+    def _plain_softmax_router(self) -> bool:
+        """Softmax top-k with no router bias and no correction: the router the fused decode calls compute."""
+        return self.moe.router.scoring == "softmax" and self.router_bias is None and self.correction is None
 
     def _router_matrix(self) -> torch.Tensor:
         """The router in fp32 for the decode kernels (a bf16 one widened once, not every token: E·H·4 bytes)."""
@@ -164,7 +172,7 @@ class MoELayer:
         """A decode token's softmax routing in one kernel call, where the router is plain softmax top-k (no bias,
         no correction) over an fp32 matrix; None elsewhere (:func:`route` then)."""
         router = self.moe.router
-        if router.scoring != "softmax" or self.router_bias is not None or self.correction is not None:
+        if not self._plain_softmax_router():
             return None
         return softmax_route(z, self._router_matrix(), router.top_k, router.normalize, router.routed_scaling)
 
@@ -242,8 +250,7 @@ class MoELayer:
         dispatch tables (what :meth:`_run_compact` computes for one token, at a fraction of the host work)."""
         with m.time("cpu_expert_ffn"):
             executors = [self.expert_executors[e] for e in experts]
-            m.add("cpu_launches", len(experts))
-            m.add("weight_bytes", len(experts) * self.expert_bytes)
+            self._count_cpu_calls(len(experts), m)
             with m.running([self._cpu_names[e] for e in experts]):
                 y = _combined(executors, z, gates)
                 if y is not None:
@@ -262,8 +269,7 @@ class MoELayer:
             inputs = [{"x": z[d.token[pairs_e]]} for pairs_e in mine]
             with m.running([f"L{self.layer}.cpu.e{e}" for e in experts]):
                 results = _run_side_by_side(executors, inputs)
-            m.add("cpu_launches", len(experts))
-            m.add("weight_bytes", len(experts) * self.expert_bytes)
+            self._count_cpu_calls(len(experts), m)
             for pairs_e, result in zip(mine, results):
                 out.index_add_(0, d.token[pairs_e], result["y"] * d.weight[pairs_e, None])
         return out
@@ -301,19 +307,24 @@ class MoELayer:
         return d
 
 
+def _shared(executors: list, method: str):
+    """``method`` of the executors' class when they all share one class that offers it, else None. Duck-typed: core
+    imports no backend."""
+    found = getattr(type(executors[0]), method, None) if executors else None
+    return found if found is not None and all(type(e) is type(executors[0]) for e in executors) else None
+
+
 def _combined(executors: list, z: torch.Tensor, gates: torch.Tensor) -> torch.Tensor | None:
     """Σ gates[i] · executor_i(z) in one call when the executors' class offers ``combine_many`` and it applies (the
-    interpreter fuses a token's SwiGLU experts into one kernel call), else None. Duck-typed, as below."""
-    combine = getattr(type(executors[0]), "combine_many", None)
-    if combine is None or not all(type(e) is type(executors[0]) for e in executors):
-        return None
-    return combine(executors, z, gates)
+    interpreter fuses a token's SwiGLU experts into one kernel call), else None."""
+    combine = _shared(executors, "combine_many")
+    return None if combine is None else combine(executors, z, gates)
 
 
 def _run_side_by_side(executors: list, inputs: list[Mapping[str, torch.Tensor]]) -> list[dict]:
     """Each executor on its inputs; together when their class offers ``run_many`` (the interpreter steps experts
-    of one shape side by side: one kernel call per step for all of them). Duck-typed: core imports no backend."""
-    run_many = getattr(type(executors[0]), "run_many", None) if executors else None
-    if run_many is not None and all(type(e) is type(executors[0]) for e in executors):
+    of one shape side by side: one kernel call per step for all of them)."""
+    run_many = _shared(executors, "run_many")
+    if run_many is not None:
         return run_many(executors, inputs)
     return [run(i) for run, i in zip(executors, inputs)]

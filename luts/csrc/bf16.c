@@ -44,13 +44,6 @@ static inline void widen_pairs(const uint16_t *p, fvec *even, fvec *odd) {
     memcpy(odd, &hi, sizeof *odd);
 }
 
-static inline float widen1(uint16_t h) {
-    uint32_t w = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &w, sizeof f);
-    return f;
-}
-
 static inline float hsum(fvec v) {
     float s = 0;
     for (int i = 0; i < VL; i++) s += v[i];
@@ -72,7 +65,7 @@ static void bf16_store(const bf16_job *job, int i, int r, int rows, const uint16
     const float *x = job->x + (size_t)i * k;
     for (int j = 0; j < rows; j++) {
         float s = hsum(even[j] + odd[j]);
-        for (int kk = kv; kk < k; kk++) s += widen1(w[j][kk]) * x[kk];
+        for (int kk = kv; kk < k; kk++) s += lut_bf16_to_float(w[j][kk]) * x[kk];
         job->y[(size_t)i * job->n + r + j] = s;
     }
 }

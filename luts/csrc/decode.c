@@ -34,13 +34,6 @@ typedef struct {
 
 static int padded_rows(const npumoe_matrix *m) { return m->lut ? m->lut->row_blocks * LUT_ROWS : m->n; }
 
-static float widen1(uint16_t bf16) { /* a bf16 value is the top half of an fp32 one */
-    const uint32_t bits = (uint32_t)bf16 << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 #if defined(__AVX512F__)
 #define DVL 16
 #else
@@ -384,9 +377,9 @@ NPUMOE_API int npumoe_decode_step(const npumoe_model *model, int64_t token, int 
     float *x = scratch, *h = x + hidden, *z = h + hidden, *y = z + hidden, *router = y + hidden;
     float *head = router + experts;
     const size_t row = (size_t)token * hidden;
+    const npumoe_matrix *table = &model->embedding;
     for (int i = 0; i < hidden; i++)
-        x[i] = (model->embedding.bf16 ? widen1(model->embedding.bf16[row + i]) : model->embedding.f32[row + i]) *
-               model->embedding_scale;
+        x[i] = (table->bf16 ? lut_bf16_to_float(table->bf16[row + i]) : table->f32[row + i]) * model->embedding_scale;
     int failed = 0;
     *routing_seconds = 0.0;
     for (int l = 0; l < model->count && !failed; l++) {

@@ -75,6 +75,12 @@ static inline int lut_zero_term(const lut_weight *w, size_t at) {
 }
 
 float lut_half_to_float(uint16_t h);
+static inline float lut_bf16_to_float(uint16_t h) { /* a bf16 value is the top half of an fp32 one */
+    const uint32_t w = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &w, sizeof f);
+    return f;
+}
 extern const uint32_t lut_repack[8][16]; /* level-1 dequant table: bit j of idx -> bit i of byte j */
 extern const uint8_t lut_repack_bytes[8][4][16]; /* byte j of lut_repack[i][idx], for byte shuffles */
 

@@ -81,17 +81,33 @@ def test_fused_decode_equals_the_interpreter(family, mode, dtype, tmp_path, monk
         torch.testing.assert_close(mine, theirs, rtol=0, atol=2e-5 * float(theirs.abs().max()))
 
 
-@pytest.mark.parametrize("isa", kernels.available())
-def test_fused_decode_of_packed_matrices_stays_within_the_luts_rounding(isa, tmp_path, monkeypatch):
+@pytest.fixture(params=kernels.available())
+def every_kernel_build(request, monkeypatch):
+    """Each kernel build this CPU runs (AVX-512, AVX2, portable here; NEON on Arm) in turn, forgotten after."""
+    monkeypatch.setenv("NPUMOE_LUT_KERNEL", request.param)
+    torch_op._kernels.cache_clear()
+    monkeypatch.setattr(torch_op, "_kernels", functools.cache(torch_op._kernels.__wrapped__))
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_whole_step_on_every_kernel_build(every_kernel_build, dtype, tmp_path, monkeypatch):
+    """The whole-step call's fp32 and bf16 GEMVs, attention and routing, compiled for each build, against the
+    interpreter (OLMoE's form: q/k norms over all heads, a tied LM head)."""
+    build_checkpoint(FAMILIES["olmoe"](), tmp_path)
+    model = npumoe.load(tmp_path, dtype=dtype)
+    fused, _, calls = decode(model, "step", monkeypatch)
+    interpreted, _, _ = decode(model, "interpreter", monkeypatch)
+    assert calls == {"step": 12, "attention": 0, "moe": 0}
+    np.testing.assert_allclose(fused, interpreted, rtol=0, atol=2e-5 * np.abs(interpreted).max())
+
+
+def test_fused_decode_of_packed_matrices_stays_within_the_luts_rounding(every_kernel_build, tmp_path, monkeypatch):
     """Every linear packed at 4 bits (npumoe quantize --linears all), on every kernel build this CPU runs: each GEMV
     is the interpreter's bit for bit, but a last-place difference in a norm can move one 8-bit table entry of the
     next GEMV's activation by a step, so the logits agree as closely as the interpreter agrees with itself on an
     input moved by 1e-7."""
     from npumoe.luts.quantize import quantize_checkpoint
-
-    monkeypatch.setenv("NPUMOE_LUT_KERNEL", isa)
-    torch_op._kernels.cache_clear()
-    monkeypatch.setattr(torch_op, "_kernels", functools.cache(torch_op._kernels.__wrapped__))  # forgotten after
 
     widths = dict(SMALL, hidden_size=64)  # every matrix's inputs a multiple of the 32-input group
     config = transformers.Qwen3MoeConfig(**widths, intermediate_size=64, moe_intermediate_size=32, head_dim=16,

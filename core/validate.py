@@ -65,10 +65,20 @@ def validate(model, target: str, artifacts, ids, greedy_tokens: int = GREEDY_TOK
     )
 
 
-def perplexity(model, ids, chunk: int = 64) -> float:
-    """``model``'s perplexity on token ``ids``, run by the unplanned CPU engine with a cache as long as them."""
+def perplexity(model, ids, window: int | None = None, chunk: int = 64) -> float:
+    """``model``'s perplexity on token ``ids``, run by the unplanned CPU engine in consecutive windows of
+    ``window`` tokens (default: all of them), each from an empty cache, as llama.cpp's perplexity tool does.
+
+    Windows keep every position inside the context a model was trained at: scored far beyond it, a small
+    model's perplexity swings with any perturbation and no longer measures what a format costs. A last window
+    shorter than ``MIN_TOKENS`` is left out."""
     ids = np.asarray(ids)
-    return _perplexity(Engine(model, chunk=chunk, max_context=len(ids)).forward(ids), ids)
+    window = window or len(ids)
+    pieces = [ids[i:i + window] for i in range(0, len(ids), window)]
+    pieces = [p for p in pieces if len(p) >= MIN_TOKENS] or pieces[:1]
+    engine = Engine(model, chunk=chunk, max_context=max(len(p) for p in pieces))
+    nll = [np.log(_perplexity(engine.forward(p), p)) * (len(p) - 1) for p in pieces]
+    return float(np.exp(sum(nll) / sum(len(p) - 1 for p in pieces)))
 
 
 def _leading_matches(a: np.ndarray, b: np.ndarray) -> int:

@@ -11,7 +11,8 @@ from npumoe.luts.checkpoint import LINEARS
 from npumoe.luts.quantize import quantize_checkpoint
 from npumoe.luts.spec import BITS
 
-HELDOUT_TOKENS = 512  # enough for a perplexity that moves with the format, short enough for a 30 B model on a CPU
+HELDOUT_TOKENS = 2048  # enough for a perplexity that moves with the format, short enough for a 30 B model on a CPU
+HELDOUT_WINDOW = 256  # inside every model's trained context (the demo's is 256), as llama.cpp's perplexity windows
 
 
 @click.command("quantize")
@@ -28,7 +29,8 @@ HELDOUT_TOKENS = 512  # enough for a perplexity that moves with the format, shor
               help="Bits of the LM head with --linears all (default: 8; it is the most sensitive matrix).")
 @click.option("--heldout", "heldout_file", type=click.Path(), default=None,
               help=f"Text to measure what the format costs: the held-out perplexity of the source and of the result "
-                   f"on its first {HELDOUT_TOKENS} tokens (both run on the CPU afterwards).")
+                   f"on its first {HELDOUT_TOKENS} tokens, in windows of {HELDOUT_WINDOW} (both run on the CPU "
+                   "afterwards).")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="Directory for the quantised checkpoint.")
 def quantize_command(model_dir, bits, group, symmetric, linears, head_bits, heldout_file, out_dir):
     """Quantise weights to the npumoe LUT format (npumoe.load reads the result): the routed experts, or
@@ -53,9 +55,9 @@ def quantize_command(model_dir, bits, group, symmetric, linears, head_bits, held
         from npumoe.core.validate import perplexity
         from npumoe.models.loader import load
 
-        before, after = perplexity(source, heldout), perplexity(load(out_dir), heldout)
-        click.echo(f"held-out perplexity on {len(heldout)} tokens: {before:.3f} → {after:.3f} "
-                   f"({100 * (after / before - 1):+.2f} %)")
+        before, after = (perplexity(m, heldout, HELDOUT_WINDOW) for m in (source, load(out_dir)))
+        click.echo(f"held-out perplexity on {len(heldout)} tokens ({HELDOUT_WINDOW}-token windows): "
+                   f"{before:.3f} → {after:.3f} ({100 * (after / before - 1):+.2f} %)")
 
 
 def heldout_tokens(model_dir, heldout_file):

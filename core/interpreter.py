@@ -108,9 +108,10 @@ WIDEN_BLOCK = 1 << 22  # weights widened to fp32 at a time: 16 MB
 
 
 def _linear(x, w, b=None):
-    """A bf16/fp16 matrix (a large model's compute dtype) is widened exactly to fp32 for the
-    product: activations, products and sums stay fp32, so only the weights' rounding differs
-    from fp32 and the result does not depend on how many rows a call carries."""
+    """A bf16/fp16 matrix (a large model's compute dtype) is widened exactly to fp32 for the product:
+    activations, products and sums stay fp32, so only the weights' rounding differs from fp32. The exception
+    is a bf16 matrix given ``BF16_DOT_FROM`` rows or more (a prompt) on a CPU with AVX-512 BF16: the
+    activations are rounded to bf16 for its dot products (:func:`npumoe.luts.torch_op.bf16_linear`)."""
     if w.dtype == x.dtype:
         return F.linear(x, w, b)
     if w.dtype == torch.bfloat16 and (y := bf16_linear(x, w)) is not None:  # decode: w read at 2 bytes a weight

@@ -29,7 +29,7 @@ from npumoe.core.native import cached_build
 from npumoe.errors import BackendUnavailableError
 
 CSRC = Path(__file__).parent / "csrc"
-COMMON_SOURCES = ("api.c", "pool.c", "portable.c", "bf16.c", "decode.c")
+COMMON_SOURCES = ("api.c", "pool.c", "portable.c", "bf16.c", "bf16_dot.c", "decode.c")
 # -ffp-contract=off: tables must be built with exactly the spec's fp32 operations (no fused multiply-add).
 COMMON_FLAGS = ("-O3", "-std=c11", "-pthread", "-ffp-contract=off", "-fvisibility=hidden", "-Wall")
 ISAS = {

@@ -97,6 +97,8 @@ _SIGNATURES = {
     "npumoe_stream_read": ([_P, ctypes.c_size_t, _I, ctypes.c_size_t], ctypes.c_uint64),
     "npumoe_bf16_gemv": ([_P, _P, _I, _I, _I, _P, _I], ctypes.c_int),
     "npumoe_bf16_gemv_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
+    "npumoe_bf16_dot_available": ([], ctypes.c_int),
+    "npumoe_bf16_dot_gemm_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
     "npumoe_lut_gemv_many": ([ctypes.POINTER(LutTask), _I, _I, _I], ctypes.c_int),
     "npumoe_swiglu_experts": ([ctypes.POINTER(ctypes.POINTER(Swiglu)), _P, _I, _P, _P, _I], ctypes.c_int),
     "npumoe_route_softmax": ([_P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _I], None),
@@ -271,6 +273,27 @@ class NativeCalls:
         if self.lib.npumoe_bf16_gemv_many(batch, len(tasks), threads):
             raise MemoryError("the bf16 GEMV could not allocate its split activations")
 
+    @functools.cached_property
+    def bf16_dot(self) -> bool:
+        """Does this CPU run :meth:`bf16_dot_gemm_many_at` (x86-64 with AVX-512 BF16)?"""
+        return bool(self.lib.npumoe_bf16_dot_available())
+
+    def bf16_dot_gemm_many_at(self, tasks: list[tuple[int, int, int, int, int, int]], threads: int) -> None:
+        """Several bf16 GEMMs on bf16-rounded activations (spec.bf16_dot_gemm), tasks as in
+        :meth:`bf16_gemv_many_at` with K a multiple of 32, in one parallel job; only where :attr:`bf16_dot`."""
+        batch = (Bf16Task * len(tasks))(*tasks)
+        status = self.lib.npumoe_bf16_dot_gemm_many(batch, len(tasks), threads)
+        if status == -2:
+            raise BackendUnavailableError("the bf16 dot-product GEMM needs an x86-64 CPU with AVX-512 BF16.")
+        if status:
+            raise MemoryError("the bf16 dot-product GEMM could not allocate its rounded activations")
+
+
+def _check_bf16_weight(w: np.ndarray) -> None:
+    if w.dtype.itemsize != 2 or w.dtype.kind not in "iu" or w.ndim != 2 or not w.flags.c_contiguous:
+        raise InputError(f"a bf16 weight goes in as a C-contiguous 2-D 16-bit integer array, got {w.dtype} "
+                         f"{list(w.shape)}.")
+
 
 def _activations(x, k: int) -> np.ndarray:
     """x as a C-contiguous float32 [K] or [M, K], copied only if it is not one (checked by identity first:
@@ -377,13 +400,23 @@ class LutKernels:
         """y [M, N] = x [M, K] Wᵀ in fp32 for W [N, K] stored as bf16: ``w`` holds its bit patterns as a
         C-contiguous 16-bit integer array (numpy has no bf16; a torch tensor's ``.view(torch.int16)``).
         Each weight row is read once for all M rows of x."""
-        if w.dtype.itemsize != 2 or w.dtype.kind not in "iu" or w.ndim != 2 or not w.flags.c_contiguous:
-            raise InputError(f"a bf16 weight goes in as a C-contiguous 2-D 16-bit integer array, got {w.dtype} "
-                             f"{list(w.shape)}.")
+        _check_bf16_weight(w)
         n, k = w.shape
         x = _activations(x, k).reshape(-1, k)
         y = _output(out, (x.shape[0], n))
         self.calls.bf16_gemv(w, x, y, threads or default_threads())
+        return y
+
+    def bf16_dot_gemm(self, w: np.ndarray, x: np.ndarray, threads: int | None = None) -> np.ndarray:
+        """y [M, N] = bf16(x) [M, K] Wᵀ in fp32 through AVX-512 BF16 dot products (spec.bf16_dot_gemm), W as
+        for :meth:`bf16_gemv` and K a multiple of 32."""
+        _check_bf16_weight(w)
+        n, k = w.shape
+        if k % 32:
+            raise InputError(f"the bf16 dot-product GEMM takes K in multiples of 32, got {k}.")
+        x = _activations(x, k).reshape(-1, k)
+        y = np.empty((x.shape[0], n), np.float32)
+        self.calls.bf16_dot_gemm_many_at([(_ptr(w), _ptr(x), _ptr(y), x.shape[0], n, k)], threads or default_threads())
         return y
 
     def stream_read(self, buf: np.ndarray, threads: int | None = None, prefetch: int = 0) -> int:

@@ -374,6 +374,21 @@ def int8_gemv(packed: Packed, x: np.ndarray) -> np.ndarray:
     return (packed.scales.astype(np.float64) * xs.astype(np.float64) * acc).sum(1).astype(np.float32)
 
 
+def bf16_round(x: np.ndarray) -> np.ndarray:
+    """fp32 → the nearest bf16 (ties to even), as fp32: the top 16 bits of the rounded pattern."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16 << 16).astype(np.uint32)
+    return np.where(np.isnan(x), x, rounded.view(np.float32)).astype(np.float32)
+
+
+def bf16_dot_gemm(w_bits: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """y [M, N] = bf16(x) [M, K] · Wᵀ for bf16 W given as its 16-bit patterns [N, K]: the bf16 prefill GEMM's
+    contract. Each product of two bf16 values is exact in fp32, so only the fp32 summation order (which this
+    float64 sum does not fix) separates a kernel from it."""
+    w = (np.asarray(w_bits).astype(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return (bf16_round(x).astype(np.float64) @ w.T.astype(np.float64)).astype(np.float32)
+
+
 def _check_activations(x, meta: PackedMeta) -> None:
     if np.shape(x) != (meta.shape[1],):
         raise InputError(f"activations have shape {list(np.shape(x))} but the weight takes {meta.shape[1]} inputs.")

@@ -74,25 +74,76 @@ def test_wrong_input_width_is_refused(layer):
         module(torch.randn(2, 128))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 129])  # both paths on every ISA
-def test_bf16_linear_widens_the_weight_exactly(rows):
-    """The CPU executor's linear on a bf16 matrix: the kernel for few rows, torch past them; either way
-    fp32 math on the widened weights (torch's F.linear on w.float() is the truth)."""
+BF16_DOT = torch_op._kernels().calls.bf16_dot if hasattr(torch_op._kernels().calls, "bf16_dot") else False
+
+
+def bf16_truth(x, w, b=None):
+    """What the CPU executor's linear on a bf16 matrix computes: the dot-product GEMM's product of bf16-rounded
+    activations (spec.bf16_dot_gemm) where it takes the rows, else fp32 math on the widened weights."""
+    if torch_op._bf16_path(x, w) == "dot":
+        y = torch.from_numpy(spec.bf16_dot_gemm(w.view(torch.int16).numpy(), x.reshape(-1, x.shape[-1]).numpy()))
+        y = y.reshape(*x.shape[:-1], w.shape[0])
+        return y if b is None else y + b
+    return torch.nn.functional.linear(x, w.float(), b)
+
+
+@pytest.fixture
+def without_bf16_dot(monkeypatch):
+    """The exact GEMV and torch's widened GEMM only, as on a CPU without AVX-512 BF16."""
+    monkeypatch.setattr(torch_op, "BF16_DOT_FROM", 1 << 30)
+
+
+@pytest.mark.parametrize("dot", [True, False], ids=["with-dot", "without-dot"])
+@pytest.mark.parametrize("rows", [1, 3, 7, 8, 16, 17, 129])  # every path on every ISA
+def test_bf16_linear_takes_the_path_its_rows_call_for(rows, dot, monkeypatch):
+    """The CPU executor's linear on a bf16 matrix: the exact GEMV for few rows; from BF16_DOT_FROM rows the
+    dot-product GEMM on bf16-rounded activations where the CPU has it (spec.bf16_dot_gemm is the truth), else
+    the GEMV up to its row limit and torch's fp32 GEMM on the widened weights past it (torch's F.linear on
+    w.float() is the truth)."""
     from npumoe.core.interpreter import OP_IMPLS
     from npumoe.luts.torch_op import BF16_GEMV_MAX_ROWS, _kernels, bf16_linear
 
+    if not dot:
+        monkeypatch.setattr(torch_op, "BF16_DOT_FROM", 1 << 30)
     torch.manual_seed(rows)
     w, x, b = torch.randn(70, 96).to(torch.bfloat16), torch.randn(rows, 96), torch.randn(70)
-    expected = torch.nn.functional.linear(x, w.float(), b)
-    torch.testing.assert_close(OP_IMPLS["linear"](x, w, b), expected, rtol=0, atol=1e-4)
-    assert (bf16_linear(x, w) is None) == (rows > BF16_GEMV_MAX_ROWS[_kernels().isa])
+    path = torch_op._bf16_path(x, w)
+    assert path == ("dot" if dot and BF16_DOT and rows >= torch_op.BF16_DOT_FROM
+                    else "gemv" if rows <= BF16_GEMV_MAX_ROWS[_kernels().isa] else None)
+    torch.testing.assert_close(OP_IMPLS["linear"](x, w, b), bf16_truth(x, w, b), rtol=0, atol=1e-4)
+    assert (bf16_linear(x, w) is None) == (path is None)
+    if path == "dot":  # the activations' rounding shows: further from the widened fp32 product than the GEMV
+        assert (OP_IMPLS["linear"](x, w, b) - torch.nn.functional.linear(x, w.float(), b)).abs().max() > 1e-3
     assert bf16_linear(x, w.T.contiguous().T) is None  # strided: torch's path
 
 
+@pytest.mark.skipif(not BF16_DOT, reason="the bf16 dot-product GEMM needs AVX-512 BF16, which this CPU lacks and "
+                    "no emulator here runs")
+@pytest.mark.parametrize("rows, outputs, inputs", [(8, 6, 32), (9, 7, 64), (65, 13, 96), (200, 70, 2048)])
+def test_bf16_dot_gemm_matches_the_spec(rows, outputs, inputs):
+    """Row tails (not a multiple of 4 activation or 6 weight rows) and more than one 64-row activation tile; to
+    fp32 summation order against the float64 sum of the exact products."""
+    kernels = torch_op._kernels()
+    rng = np.random.default_rng(rows)
+    w = torch.from_numpy(rng.standard_normal((outputs, inputs), np.float32)).bfloat16().view(torch.int16).numpy()
+    x = rng.standard_normal((rows, inputs)).astype(np.float32)
+    expected = spec.bf16_dot_gemm(w, x)
+    np.testing.assert_allclose(kernels.bf16_dot_gemm(w, x), expected, rtol=0, atol=2e-6 * np.sqrt(inputs) * 8)
+    with pytest.raises(InputError, match="multiples of 32"):
+        kernels.bf16_dot_gemm(w[:, :31].copy(), x[:, :31].copy())
+
+
+def test_bf16_round_is_torchs_rounding():
+    x = torch.randn(4096) * torch.logspace(-30, 30, 4096)
+    x[:3] = torch.tensor([float("nan"), float("inf"), -0.0])
+    torch.testing.assert_close(torch.from_numpy(spec.bf16_round(x.numpy())), x.bfloat16().float(), rtol=0, atol=0,
+                               equal_nan=True)
+
+
 @pytest.mark.parametrize("rows, outputs, inputs", [(5, 70, 96), (16, 1024, 256), (3, 37, 100), (128, 64, 2048)])
-def test_bf16_rows_computed_together_equal_each_row_alone(rows, outputs, inputs):
-    """A prefill's rows share each widened weight (AVX-512: two activation rows at a time); every output still sums
-    the same products in the same order as a one-row call: bit for bit."""
+def test_bf16_rows_computed_together_equal_each_row_alone(rows, outputs, inputs, without_bf16_dot):
+    """A prefill's rows share each widened weight in the GEMV (AVX-512: two activation rows at a time); every
+    output still sums the same products in the same order as a one-row call: bit for bit."""
     from npumoe.luts.torch_op import bf16_linear
 
     torch.manual_seed(rows)
@@ -103,25 +154,29 @@ def test_bf16_rows_computed_together_equal_each_row_alone(rows, outputs, inputs)
         assert torch.equal(together, torch.cat([bf16_linear(x[i:i + 1], w) for i in range(rows)]))
 
 
-def test_bf16_linears_batched_in_one_call_equal_each_alone():
-    """Several (x, W) pairs of different shapes in one kernel call give what each call alone gives, bit
-    for bit, and the widened fp32 product within float rounding; a pair the kernel cannot take comes back
-    as None, the others computed."""
+@pytest.mark.parametrize("dot", [True, False], ids=["with-dot", "without-dot"])
+def test_bf16_linears_batched_in_one_call_equal_each_alone(dot, monkeypatch):
+    """Several (x, W) pairs of different shapes in one kernel call per path give what each call alone gives, bit
+    for bit, and their path's truth within float rounding; a pair the kernels cannot take comes back as None,
+    the others computed."""
     from npumoe.luts.torch_op import BF16_GEMV_MAX_ROWS, _kernels, bf16_linear, bf16_linear_many
 
+    if not dot:
+        monkeypatch.setattr(torch_op, "BF16_DOT_FROM", 1 << 30)
     torch.manual_seed(3)
-    shapes = [(1, 70, 96), (3, 1024, 64), (2, 5, 208), (16, 40, 32)]  # rows, outputs, inputs
+    shapes = [(1, 70, 96), (3, 1024, 64), (2, 5, 208), (16, 40, 32), (9, 30, 64)]  # rows, outputs, inputs
     xs = [torch.randn(m, k) for m, _, k in shapes]
     ws = [torch.randn(n, k).to(torch.bfloat16) for _, n, k in shapes]
     batched = bf16_linear_many(xs, ws)
     for x, w, y in zip(xs, ws, batched):
         assert torch.equal(y, bf16_linear(x, w))
-        torch.testing.assert_close(y, torch.nn.functional.linear(x, w.float()), rtol=0, atol=1e-4)
+        torch.testing.assert_close(y, bf16_truth(x, w), rtol=0, atol=1e-4)
     *computed, fp32 = bf16_linear_many(xs, [*ws[:-1], ws[-1].float()])
     assert fp32 is None and all(torch.equal(y, b) for y, b in zip(computed, batched))
-    too_many = torch.randn(BF16_GEMV_MAX_ROWS[_kernels().isa] + 1, 32)  # more rows than the kernel takes
-    assert bf16_linear_many([*xs[:-1], too_many], ws)[-1] is None
-    assert bf16_linear_many([too_many], ws[-1:]) is None
+    too_many = torch.randn(BF16_GEMV_MAX_ROWS[_kernels().isa] + 1, 31)  # more rows than the GEMV takes, K odd
+    odd_w = torch.randn(5, 31).to(torch.bfloat16)
+    assert bf16_linear_many([*xs[:-1], too_many], [*ws[:-1], odd_w])[-1] is None
+    assert bf16_linear_many([too_many], [odd_w]) is None
 
 
 def test_packed_linears_batched_in_one_call_equal_each_alone():

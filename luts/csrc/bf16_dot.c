@@ -1,0 +1,137 @@
+/* bf16 weights × bf16-rounded activations → fp32: the prefill GEMM of a model kept in its stored bf16.
+ *
+ * Widening bf16 to fp32 and multiplying in fp32 (bf16.c) is bound by the fused multiply-adds: 16 products per
+ * instruction. AVX-512 BF16's vdpbf16ps takes 32 (pairs of bf16 products summed into fp32 lanes), so where a
+ * prompt has enough rows to be compute-bound the activations are rounded to bf16 once (round to nearest even)
+ * and the weights are used as stored, as torch's bf16 matmul and llama.cpp's F16 path (activations to fp16)
+ * do. Products of two bf16 values are exact in fp32; sums are fp32 (spec.bf16_dot_gemm is the contract, to
+ * fp32 summation order). Decode stays on bf16.c's exact GEMV: one row is bound by reading the weights.
+ *
+ * Compiled into every build; only an x86-64 CPU with AVX-512 BF16 runs it (the function carries its own
+ * target, so the AVX-512 build still loads on CPUs without BF16, such as Ice Lake).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "lut.h"
+
+#if defined(__x86_64__) && ((defined(__GNUC__) && __GNUC__ >= 10) || (defined(__clang__) && __clang_major__ >= 9))
+#define HAVE_BF16_DOT 1
+#include <immintrin.h>
+#endif
+
+#define DOT_NR 6 /* weight rows per block */
+#define DOT_MR 4 /* activation rows per pass: 16 accumulators, 4 weight vectors and one activation in registers */
+#define DOT_K 32 /* inputs per instruction */
+#define DOT_M_TILE 64 /* activation rows kept hot while a thread's weight blocks pass (64 × 4 KB at K = 2048) */
+
+/* fp32 → bf16 bits, round to nearest even; a NaN stays a (quiet) NaN. */
+static inline uint16_t bf16_round(float f) {
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1)) >> 16);
+}
+
+typedef struct {
+    const uint16_t *w;  /* [n][k] */
+    const uint16_t *xb; /* [m][k], bf16-rounded */
+    float *y;           /* [m][n] */
+    int m, n, k;
+} dot_job;
+
+typedef struct {
+    dot_job *jobs;
+    int *first_block; /* [count + 1] */
+    int count;
+} dot_batch;
+
+#ifdef HAVE_BF16_DOT
+/* Weight rows r .. r+3 (a short last block repeats its last row) against activation rows i0 .. i1-1. */
+__attribute__((target("avx512f,avx512bf16"))) static void dot_block(const dot_job *job, int r, int i0, int i1) {
+    const int k = job->k, rows = job->n - r < DOT_NR ? job->n - r : DOT_NR;
+    const uint16_t *w[DOT_NR];
+    for (int j = 0; j < DOT_NR; j++) w[j] = job->w + (size_t)(r + (j < rows ? j : rows - 1)) * k;
+    for (int i = i0; i < i1; i += DOT_MR) {
+        const int mr = i1 - i < DOT_MR ? i1 - i : DOT_MR;
+        const uint16_t *x[DOT_MR];
+        for (int a = 0; a < DOT_MR; a++) x[a] = job->xb + (size_t)(i + (a < mr ? a : mr - 1)) * k;
+        __m512 acc[DOT_MR][DOT_NR];
+        for (int a = 0; a < DOT_MR; a++)
+            for (int j = 0; j < DOT_NR; j++) acc[a][j] = _mm512_setzero_ps();
+        for (int kk = 0; kk < k; kk += DOT_K) {
+            __m512bh wv[DOT_NR];
+            for (int j = 0; j < DOT_NR; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + kk);
+            for (int a = 0; a < DOT_MR; a++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[a] + kk);
+                for (int j = 0; j < DOT_NR; j++) acc[a][j] = _mm512_dpbf16_ps(acc[a][j], xv, wv[j]);
+            }
+        }
+        for (int a = 0; a < mr; a++)
+            for (int j = 0; j < rows; j++) job->y[(size_t)(i + a) * job->n + r + j] = _mm512_reduce_add_ps(acc[a][j]);
+    }
+}
+
+/* A thread's run of weight blocks, DOT_M_TILE activation rows at a time: the tile stays in L2 while the
+ * blocks stream past it, instead of every block reading all m rows from further out. */
+static void dot_range(void *ctx, int b0, int b1) {
+    const dot_batch *batch = ctx;
+    int t = 0;
+    while (batch->first_block[t + 1] <= b0) t++;
+    for (int first = b0; first < b1;) {
+        while (batch->first_block[t + 1] <= first) t++;
+        const dot_job *job = &batch->jobs[t];
+        const int last = batch->first_block[t + 1] < b1 ? batch->first_block[t + 1] : b1;
+        for (int i = 0; i < job->m; i += DOT_M_TILE)
+            for (int b = first; b < last; b++)
+                dot_block(job, (b - batch->first_block[t]) * DOT_NR, i, i + DOT_M_TILE < job->m ? i + DOT_M_TILE : job->m);
+        first = last;
+    }
+}
+#endif
+
+NPUMOE_API int npumoe_bf16_dot_available(void) {
+#ifdef HAVE_BF16_DOT
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+#else
+    return 0;
+#endif
+}
+
+/* For each task, y [m][n] = bf16(x) [m][k] · Wᵀ for W [n][k] in bf16, k a multiple of 32. Returns -1 if it
+ * cannot allocate the rounded activations, -2 where the CPU or compiler has no AVX-512 BF16. */
+NPUMOE_API int npumoe_bf16_dot_gemm_many(const npumoe_bf16_task *tasks, int count, int threads) {
+#ifdef HAVE_BF16_DOT
+    if (!npumoe_bf16_dot_available()) return -2;
+    size_t elements = 1, weight_bytes = 0;
+    for (int t = 0; t < count; t++) elements += (size_t)tasks[t].m * tasks[t].k;
+    uint16_t *xb = malloc(sizeof(uint16_t) * elements);
+    dot_job *jobs = malloc(sizeof(dot_job) * (count + 1));
+    int *first_block = malloc(sizeof(int) * (count + 1));
+    if (!xb || !jobs || !first_block) {
+        free(xb), free(jobs), free(first_block);
+        return -1;
+    }
+    uint16_t *at = xb;
+    first_block[0] = 0;
+    for (int t = 0; t < count; t++) {
+        const npumoe_bf16_task *task = &tasks[t];
+        const size_t size = (size_t)task->m * task->k;
+        for (size_t e = 0; e < size; e++) at[e] = bf16_round(task->x[e]);
+        jobs[t] = (dot_job){task->w, at, task->y, task->m, task->n, task->k};
+        at += size;
+        first_block[t + 1] = first_block[t] + (task->n + DOT_NR - 1) / DOT_NR;
+        weight_bytes += (size_t)task->n * task->k * sizeof(uint16_t);
+    }
+    const int blocks = first_block[count];
+    if (blocks > 0) {
+        dot_batch batch = {jobs, first_block, count};
+        lut_parallel(dot_range, &batch, blocks, threads, lut_batch_chunk(weight_bytes, blocks, threads));
+    }
+    free(xb), free(jobs), free(first_block);
+    return 0;
+#else
+    (void)tasks, (void)count, (void)threads;
+    return -2;
+#endif
+}

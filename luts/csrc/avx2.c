@@ -1,9 +1,9 @@
 /* AVX2 + FMA + F16C: a tile is two vectors of 8 rows.
  *
- * GEMV core: vpshufb looks up 16 entries per 128-bit lane, but the four bytes of a row
- * need four different tables, so each lookup is four shuffles merged by two constant
- * byte-position blends; vpmaddubsw + vpmaddwd then sum a row's four bytes times 2^i.
- * About three times the work per byte of the AVX-512 core.
+ * GEMV core: vpshufb looks up 16 entries per 128-bit lane, and the four bytes of a row need
+ * four different tables, so each plane is first regrouped into one byte position per lane
+ * (two shuffles, two unpacks, two dword permutes for 16 rows); then one vpshufb per table,
+ * vpmaddubsw pairs of runs times 2^i, and a tile's planes sum in int16 (tile_dots).
  */
 #include <immintrin.h>
 
@@ -11,7 +11,7 @@
 
 #define ISA(name) name##_avx2
 #define W 8
-#define ACC 4
+#define ACC 1 /* one int32 accumulator a row vector: tile_dots sums a tile's planes in int16 first */
 #define GEMM_MR AVX2_MR
 #define GEMV_MR AVX2_GEMV_MR
 #define GEMM_ROW_BLOCKS 1 /* 6 × 16 microkernel: 12 accumulators */
@@ -61,35 +61,68 @@ static inline void store_run(int8_t *dst, const vf *t, vf inv) {
 }
 
 typedef struct {
-    __m256i lo[4], hi[4]; /* the table of run 8t+p (lo) and 8t+4+p (hi), in both lanes */
+    __m256i lo01, lo23, hi01, hi23; /* runs 8t+{0|1}, {2|3} (low nibbles), {4|5}, {6|7} (high ones) in lanes 0|1 */
 } kt_tables;
 
 static inline kt_tables load_tables(const void *tq, int kt) {
     const int8_t *at = (const int8_t *)tq + (size_t)kt * 128;
-    kt_tables t;
-    for (int p = 0; p < 4; p++) {
-        t.lo[p] = i_table16(at + 16 * p);
-        t.hi[p] = i_table16(at + 64 + 16 * p);
+    return (kt_tables){i_load(at), i_load(at + 32), i_load(at + 64), i_load(at + 96)};
+}
+
+/* One plane's lookups, times 2^i, as int16: rows 0-7 in *lo and 8-15 in *hi, lane 0 summing runs 0, 2, 4, 6 and
+ * lane 1 runs 1, 3, 5, 7. The plane's bytes are first moved so that each 128-bit lane holds one byte position
+ * (one run's indices) of all 16 rows: then a lane needs one table and each lookup is one vpshufb, where looking
+ * up the stored order (four positions in every lane) took four shuffles and three blends. */
+static inline __attribute__((always_inline)) void plane_sums(const uint8_t *plane, const kt_tables *t, int i,
+                                                             __m256i *lo, __m256i *hi) {
+    const __m256i by_position = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                                 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m256i in_row_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), nibble = _mm256_set1_epi8(0x0F);
+    const __m256i a = _mm256_shuffle_epi8(i_load(plane), by_position);      /* rows 0-7: per lane 4 rows, */
+    const __m256i b = _mm256_shuffle_epi8(i_load(plane + 32), by_position); /* position-major             */
+    const __m256i p01 = _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi32(a, b), in_row_order); /* 16 rows | 16 */
+    const __m256i p23 = _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi32(a, b), in_row_order);
+    const __m256i r01 = _mm256_shuffle_epi8(t->lo01, _mm256_and_si256(p01, nibble));
+    const __m256i r23 = _mm256_shuffle_epi8(t->lo23, _mm256_and_si256(p23, nibble));
+    const __m256i r45 = _mm256_shuffle_epi8(t->hi01, _mm256_and_si256(_mm256_srli_epi16(p01, 4), nibble));
+    const __m256i r67 = _mm256_shuffle_epi8(t->hi23, _mm256_and_si256(_mm256_srli_epi16(p23, 4), nibble));
+    /* a byte pair (run p, run p+2) of one row each: |2^i · two entries| ≤ 2 · 128 · 127 never saturates */
+    const __m256i weight = _mm256_set1_epi8((char)(1 << i));
+    lo[0] = _mm256_maddubs_epi16(weight, _mm256_unpacklo_epi8(r01, r23));
+    lo[1] = _mm256_maddubs_epi16(weight, _mm256_unpacklo_epi8(r45, r67));
+    hi[0] = _mm256_maddubs_epi16(weight, _mm256_unpackhi_epi8(r01, r23));
+    hi[1] = _mm256_maddubs_epi16(weight, _mm256_unpackhi_epi8(r45, r67));
+}
+
+/* int16 row sums, lane 0 and lane 1 (the same 8 rows), into int32 accumulators. */
+static inline __m256i widen_lanes(__m256i acc, __m256i sums) {
+    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(sums)),
+                                                  _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sums, 1))));
+}
+
+/* All planes of a tile. Up to 5 bits the planes sum in int16 and widen once a tile: each lane's sum is at
+ * most (2^5 − 1) · 4 · 127 = 15748. Wider codes widen every product (2^7 · 4 · 127 alone overflows). */
+#define ISA_OWN_TILE_DOTS
+static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const uint8_t *tile, const kt_tables *t,
+                                                            const int bits) {
+    __m256i lo[2], hi[2];
+    if (bits <= 5) {
+        __m256i rows_lo = _mm256_setzero_si256(), rows_hi = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int i = 0; i < bits; i++) {
+            lut_prefetch_line(tile + i * LUT_TILE_BYTES);
+            plane_sums(tile + i * LUT_TILE_BYTES, t, i, lo, hi);
+            rows_lo = _mm256_add_epi16(rows_lo, _mm256_add_epi16(lo[0], lo[1]));
+            rows_hi = _mm256_add_epi16(rows_hi, _mm256_add_epi16(hi[0], hi[1]));
+        }
+        a[0][0] = widen_lanes(a[0][0], rows_lo), a[1][0] = widen_lanes(a[1][0], rows_hi);
+        return;
     }
-    return t;
-}
-
-/* Byte 4r+p looked up in table p. */
-static inline __m256i lookup_by_position(const __m256i table[4], __m256i idx) {
-    const __m256i odd = _mm256_set1_epi32((int)0x80008000), high = _mm256_set1_epi32((int)0x80800000);
-    __m256i r01 = _mm256_blendv_epi8(_mm256_shuffle_epi8(table[0], idx), _mm256_shuffle_epi8(table[1], idx), odd);
-    __m256i r23 = _mm256_blendv_epi8(_mm256_shuffle_epi8(table[2], idx), _mm256_shuffle_epi8(table[3], idx), odd);
-    return _mm256_blendv_epi8(r01, r23, high);
-}
-
-static inline __attribute__((always_inline)) void tile_dot(vi a[][ACC], const uint8_t *tile, const kt_tables *t, int i) {
-    const __m256i weight = _mm256_set1_epi8((char)(1 << i)), ones = _mm256_set1_epi16(1);
-    for (int rv = 0; rv < 2; rv++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(tile + 32 * rv));
-        const __m256i lo = lookup_by_position(t->lo, i_nibble(v, 0)), hi = lookup_by_position(t->hi, i_nibble(v, 1));
-        /* |2^i · (two entries)| ≤ 128 · 254 fits int16, so vpmaddubsw never saturates */
-        a[rv][i & 1] = _mm256_add_epi32(a[rv][i & 1], _mm256_madd_epi16(_mm256_maddubs_epi16(weight, lo), ones));
-        a[rv][2 + (i & 1)] = _mm256_add_epi32(a[rv][2 + (i & 1)], _mm256_madd_epi16(_mm256_maddubs_epi16(weight, hi), ones));
+    for (int i = 0; i < bits; i++) {
+        lut_prefetch_line(tile + i * LUT_TILE_BYTES);
+        plane_sums(tile + i * LUT_TILE_BYTES, t, i, lo, hi);
+        a[0][0] = widen_lanes(widen_lanes(a[0][0], lo[0]), lo[1]);
+        a[1][0] = widen_lanes(widen_lanes(a[1][0], hi[0]), hi[1]);
     }
 }
 

@@ -18,7 +18,8 @@
  *                                 ISA file defines ISA_OWN_TABLES and its own tables_<isa>)
  *   kt_tables load_tables(tq, kt) and tile_dot(a[RV][ACC], tile, &tables, i): the GEMV core,
  *     adding 2^i · (row's four looked-up bytes, low and high nibbles) into int32 lanes, spread
- *     over ACC accumulators per row vector (summed at the end of each group)
+ *     over ACC accumulators per row vector (summed at the end of each group); or, with
+ *     ISA_OWN_TILE_DOTS, tile_dots(a, tile, &tables, bits) for all planes of a tile at once
  *   GEMM_ROW_BLOCKS, GEMM_MR      microkernel shape: MR activations × 16·GEMM_ROW_BLOCKS rows
  */
 #include <string.h>
@@ -94,6 +95,18 @@ static inline __attribute__((always_inline)) vf epilogue(const uint16_t *scales,
     return f_fmadd(f_mul(f_half(scales), half_ts), f_from_i(total), out);
 }
 
+#ifndef ISA_OWN_TILE_DOTS
+/* A tile's planes, one tile_dot each (an ISA whose planes can share wider work defines its own). */
+static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const uint8_t *tile, const kt_tables *t,
+                                                            const int bits) {
+#pragma GCC unroll 8
+    for (int i = 0; i < bits; i++) {
+        lut_prefetch_line(tile + i * LUT_TILE_BYTES);
+        tile_dot(a, tile + i * LUT_TILE_BYTES, t, i);
+    }
+}
+#endif
+
 /* Everything the loops need is copied into locals first: through the pointers the compiler
  * cannot rule out that a store to y or acc changes w->k, and would redo k / group per group. */
 static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w, const lut_tables *t, int rb0, int rb1,
@@ -116,11 +129,7 @@ static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w,
                 for (int j = 0; j < ACC; j++) a[rv][j] = j ? i_zero() : i_set1(bias[g]);
             for (int kt = g * tiles_per_group; kt < (g + 1) * tiles_per_group; kt++, tile += bits * LUT_TILE_BYTES) {
                 const kt_tables tables = load_tables(tq, kt);
-#pragma GCC unroll 8
-                for (int i = 0; i < bits; i++) {
-                    lut_prefetch_line(tile + i * LUT_TILE_BYTES);
-                    tile_dot(a, tile + i * LUT_TILE_BYTES, &tables, i);
-                }
+                tile_dots(a, tile, &tables, bits);
             }
             __builtin_prefetch(scales + LUT_PREFETCH_PARAMS, 0, 2);
             if (zeros) __builtin_prefetch(zeros + LUT_PREFETCH_PARAMS, 0, 2);
@@ -188,11 +197,15 @@ static inline __attribute__((always_inline)) void gemv_rows_multi(const lut_weig
             for (int kt = g * tiles_per_group; kt < (g + 1) * tiles_per_group; kt++, tile += bits * LUT_TILE_BYTES) {
                 kt_tables tables[GEMV_MR];
                 for (int r = 0; r < GEMV_MR; r++) tables[r] = load_tables(t[r]->tq, kt);
+#ifdef ISA_OWN_TILE_DOTS
+                for (int r = 0; r < GEMV_MR; r++) tile_dots(a[r], tile, &tables[r], bits);
+#else
 #pragma GCC unroll 8
                 for (int i = 0; i < bits; i++) {
                     lut_prefetch_line(tile + i * LUT_TILE_BYTES);
                     for (int r = 0; r < GEMV_MR; r++) tile_dot(a[r], tile + i * LUT_TILE_BYTES, &tables[r], i);
                 }
+#endif
             }
             __builtin_prefetch(scales + LUT_PREFETCH_PARAMS, 0, 2);
             if (zeros) __builtin_prefetch(zeros + LUT_PREFETCH_PARAMS, 0, 2);

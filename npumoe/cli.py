@@ -51,6 +51,7 @@ BENCHMARKS = {
     "runtime": "npumoe.commands.bench_runtime:bench_runtime_command",
     "lut": "npumoe.commands.bench_lut:bench_lut_command",
     "hvx": "npumoe.commands.bench_hvx:bench_hvx_command",
+    "neon": "npumoe.commands.bench_neon:bench_neon_command",
     "scale": "npumoe.commands.bench_scale:bench_scale_command",
     "decode": "npumoe.commands.bench_decode:bench_decode_command",
     "cpu": "npumoe.commands.bench_cpu:bench_cpu_command",

@@ -1,8 +1,8 @@
 /* AArch64 NEON (ARMv8.0 baseline): a tile is four vectors of 4 rows.
  *
- * GEMV core: each nibble, tagged with its byte position p (idx | p << 4), picks from the
- * 64-byte table of runs 8t..8t+3 held in four registers (tbl); two pairwise widening adds
- * sum a row's four bytes, and a multiply-accumulate applies the plane weight 2^i.
+ * GEMV core: ld4 splits a tile plane by byte position, so one register holds one run's indices
+ * for 16 rows and each lookup is a one-register tbl; widening adds sum a row's runs in int16,
+ * and a tile's planes (times 2^i) too, widened to int32 once a tile (tile_dots).
  */
 #include <arm_neon.h>
 #include <string.h>
@@ -11,7 +11,7 @@
 
 #define ISA(name) name##_neon
 #define W 4
-#define ACC 4
+#define ACC 1 /* one int32 accumulator a row vector: tile_dots sums a tile's planes in int16 first */
 #define GEMM_MR NEON_MR
 #define GEMV_MR NEON_GEMV_MR
 #define GEMM_ROW_BLOCKS 1 /* 4 × 16 microkernel: 16 accumulators */
@@ -72,15 +72,44 @@ static inline kt_tables load_tables(const void *tq, int kt) {
     return t;
 }
 
-static inline __attribute__((always_inline)) void tile_dot(vi a[][ACC], const uint8_t *tile, const kt_tables *t, int i) {
-    const uint8x16_t positions = vreinterpretq_u8_u32(vdupq_n_u32(0x30201000)), nibble = vdupq_n_u8(0x0F);
-    for (int rv = 0; rv < 4; rv++) {
-        const uint8x16_t v = vld1q_u8(tile + 16 * rv);
-        const int8x16_t lo = vqtbl4q_s8(t->lo, vorrq_u8(vandq_u8(v, nibble), positions));
-        const int8x16_t hi = vqtbl4q_s8(t->hi, vorrq_u8(vshrq_n_u8(v, 4), positions));
-        const int16x8_t pairs = vaddq_s16(vpaddlq_s8(lo), vpaddlq_s8(hi)); /* |.| ≤ 508 */
-        a[rv][i & 1] = vmlaq_n_s32(a[rv][i & 1], vpaddlq_s16(pairs), 1 << i);
+/* The low (runs 8t..8t+3) and high (8t+4..8t+7) nibbles of one byte position p of all 16 rows, looked up
+ * and summed per row in int16 into rows[0] (rows 0-7) and rows[1] (8-15). */
+static inline __attribute__((always_inline)) void position_sums(uint8x16_t p_bytes, int8x16_t lo_table,
+                                                                int8x16_t hi_table, int16x8_t rows[2]) {
+    const int8x16_t lo = vqtbl1q_s8(lo_table, vandq_u8(p_bytes, vdupq_n_u8(0x0F)));
+    const int8x16_t hi = vqtbl1q_s8(hi_table, vshrq_n_u8(p_bytes, 4));
+    rows[0] = vaddq_s16(rows[0], vaddl_s8(vget_low_s8(lo), vget_low_s8(hi)));
+    rows[1] = vaddq_s16(rows[1], vaddl_high_s8(lo, hi));
+}
+
+/* All planes of a tile. ld4 de-interleaves a plane's 64 bytes by byte position, so each register holds one
+ * run's indices for all 16 rows and every lookup is a one-register tbl (the stored order, four positions in a
+ * register, needed the four-register tbl). Up to 5 bits the planes sum in int16 (each row at most
+ * (2^5 − 1) · 8 · 127 = 31496) and widen once a tile; wider codes widen every plane. */
+#define ISA_OWN_TILE_DOTS
+static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const uint8_t *tile, const kt_tables *t,
+                                                            const int bits) {
+    int16x8_t total[2] = {vdupq_n_s16(0), vdupq_n_s16(0)};
+#pragma GCC unroll 8
+    for (int i = 0; i < bits; i++) {
+        lut_prefetch_line(tile + i * LUT_TILE_BYTES);
+        const uint8x16x4_t by_position = vld4q_u8(tile + i * LUT_TILE_BYTES);
+        int16x8_t plane[2] = {vdupq_n_s16(0), vdupq_n_s16(0)};
+        for (int p = 0; p < 4; p++) position_sums(by_position.val[p], t->lo.val[p], t->hi.val[p], plane);
+        if (bits <= 5) {
+            total[0] = vmlaq_n_s16(total[0], plane[0], (int16_t)(1 << i));
+            total[1] = vmlaq_n_s16(total[1], plane[1], (int16_t)(1 << i));
+        } else
+            for (int h = 0; h < 2; h++) {
+                a[2 * h][0] = vmlaq_n_s32(a[2 * h][0], vmovl_s16(vget_low_s16(plane[h])), 1 << i);
+                a[2 * h + 1][0] = vmlaq_n_s32(a[2 * h + 1][0], vmovl_high_s16(plane[h]), 1 << i);
+            }
     }
+    if (bits <= 5)
+        for (int h = 0; h < 2; h++) {
+            a[2 * h][0] = vaddw_s16(a[2 * h][0], vget_low_s16(total[h]));
+            a[2 * h + 1][0] = vaddw_high_s16(a[2 * h + 1][0], total[h]);
+        }
 }
 
 #include "simd_kernels.h"

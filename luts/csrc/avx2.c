@@ -69,15 +69,16 @@ static inline kt_tables load_tables(const void *tq, int kt) {
     return (kt_tables){i_load(at), i_load(at + 32), i_load(at + 64), i_load(at + 96)};
 }
 
-/* One plane's lookups, times 2^i, as int16: rows 0-7 in *lo and 8-15 in *hi, lane 0 summing runs 0, 2, 4, 6 and
- * lane 1 runs 1, 3, 5, 7. The plane's bytes are first moved so that each 128-bit lane holds one byte position
- * (one run's indices) of all 16 rows: then a lane needs one table and each lookup is one vpshufb, where looking
- * up the stored order (four positions in every lane) took four shuffles and three blends. */
-static inline __attribute__((always_inline)) void plane_sums(const uint8_t *plane, const kt_tables *t, int i,
-                                                             __m256i *lo, __m256i *hi) {
+/* One plane's lookups as int16 sums of run pairs: rows 0-7 in lo and 8-15 in hi, lane 0 of each summing runs
+ * 0, 2, 4, 6 and lane 1 runs 1, 3, 5, 7. The plane's bytes are first moved so that each 128-bit lane holds one
+ * byte position (one run's indices) of all 16 rows: then a lane needs one table and each lookup is one vpshufb,
+ * where looking up the stored order (four positions in every lane) took four shuffles and three blends. */
+static inline __attribute__((always_inline)) void plane_sums(const uint8_t *plane, const kt_tables *t, __m256i *lo,
+                                                             __m256i *hi) {
     const __m256i by_position = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
                                                  0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     const __m256i in_row_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), nibble = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi8(1);
     const __m256i a = _mm256_shuffle_epi8(i_load(plane), by_position);      /* rows 0-7: per lane 4 rows, */
     const __m256i b = _mm256_shuffle_epi8(i_load(plane + 32), by_position); /* position-major             */
     const __m256i p01 = _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi32(a, b), in_row_order); /* 16 rows | 16 */
@@ -86,12 +87,11 @@ static inline __attribute__((always_inline)) void plane_sums(const uint8_t *plan
     const __m256i r23 = _mm256_shuffle_epi8(t->lo23, _mm256_and_si256(p23, nibble));
     const __m256i r45 = _mm256_shuffle_epi8(t->hi01, _mm256_and_si256(_mm256_srli_epi16(p01, 4), nibble));
     const __m256i r67 = _mm256_shuffle_epi8(t->hi23, _mm256_and_si256(_mm256_srli_epi16(p23, 4), nibble));
-    /* a byte pair (run p, run p+2) of one row each: |2^i · two entries| ≤ 2 · 128 · 127 never saturates */
-    const __m256i weight = _mm256_set1_epi8((char)(1 << i));
-    lo[0] = _mm256_maddubs_epi16(weight, _mm256_unpacklo_epi8(r01, r23));
-    lo[1] = _mm256_maddubs_epi16(weight, _mm256_unpacklo_epi8(r45, r67));
-    hi[0] = _mm256_maddubs_epi16(weight, _mm256_unpackhi_epi8(r01, r23));
-    hi[1] = _mm256_maddubs_epi16(weight, _mm256_unpackhi_epi8(r45, r67));
+    /* a byte pair (run p, run p+2) of one row each */
+    *lo = _mm256_add_epi16(_mm256_maddubs_epi16(ones, _mm256_unpacklo_epi8(r01, r23)),
+                           _mm256_maddubs_epi16(ones, _mm256_unpacklo_epi8(r45, r67)));
+    *hi = _mm256_add_epi16(_mm256_maddubs_epi16(ones, _mm256_unpackhi_epi8(r01, r23)),
+                           _mm256_maddubs_epi16(ones, _mm256_unpackhi_epi8(r45, r67)));
 }
 
 /* int16 row sums, lane 0 and lane 1 (the same 8 rows), into int32 accumulators. */
@@ -100,29 +100,29 @@ static inline __m256i widen_lanes(__m256i acc, __m256i sums) {
                                                   _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sums, 1))));
 }
 
-/* All planes of a tile. Up to 5 bits the planes sum in int16 and widen once a tile: each lane's sum is at
- * most (2^5 − 1) · 4 · 127 = 15748. Wider codes widen every product (2^7 · 4 · 127 alone overflows). */
+/* All planes of a tile, the highest first, each doubling what came before (Horner: Σ 2^i · plane i) so no
+ * per-plane weight takes a register. Up to 5 bits the sums stay int16 and widen once a tile: each lane's is at
+ * most (2^5 − 1) · 4 · 127 = 15748. Wider codes widen every plane, its weight applied in int32. */
 #define ISA_OWN_TILE_DOTS
 static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const uint8_t *tile, const kt_tables *t,
                                                             const int bits) {
-    __m256i lo[2], hi[2];
+    __m256i lo, hi;
     if (bits <= 5) {
         __m256i rows_lo = _mm256_setzero_si256(), rows_hi = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int i = 0; i < bits; i++) {
+        for (int i = bits - 1; i >= 0; i--) {
             lut_prefetch_line(tile + i * LUT_TILE_BYTES);
-            plane_sums(tile + i * LUT_TILE_BYTES, t, i, lo, hi);
-            rows_lo = _mm256_add_epi16(rows_lo, _mm256_add_epi16(lo[0], lo[1]));
-            rows_hi = _mm256_add_epi16(rows_hi, _mm256_add_epi16(hi[0], hi[1]));
+            plane_sums(tile + i * LUT_TILE_BYTES, t, &lo, &hi);
+            rows_lo = _mm256_add_epi16(_mm256_add_epi16(rows_lo, rows_lo), lo);
+            rows_hi = _mm256_add_epi16(_mm256_add_epi16(rows_hi, rows_hi), hi);
         }
         a[0][0] = widen_lanes(a[0][0], rows_lo), a[1][0] = widen_lanes(a[1][0], rows_hi);
         return;
     }
     for (int i = 0; i < bits; i++) {
         lut_prefetch_line(tile + i * LUT_TILE_BYTES);
-        plane_sums(tile + i * LUT_TILE_BYTES, t, i, lo, hi);
-        a[0][0] = widen_lanes(widen_lanes(a[0][0], lo[0]), lo[1]);
-        a[1][0] = widen_lanes(widen_lanes(a[1][0], hi[0]), hi[1]);
+        plane_sums(tile + i * LUT_TILE_BYTES, t, &lo, &hi);
+        a[0][0] = _mm256_add_epi32(a[0][0], _mm256_slli_epi32(widen_lanes(_mm256_setzero_si256(), lo), i));
+        a[1][0] = _mm256_add_epi32(a[1][0], _mm256_slli_epi32(widen_lanes(_mm256_setzero_si256(), hi), i));
     }
 }
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from npumoe.core.backend import check_feed
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op, Role
 from npumoe.luts.decode import swiglu_expert, swiglu_experts
-from npumoe.luts.torch_op import bf16_linear, bf16_linear_many, lut_linear_many
+from npumoe.luts.torch_op import bf16_linear, bf16_linear_many, lut_linear_many, torch_threads_back
 
 
 def _rmsnorm(x, w, *, eps):
@@ -46,6 +46,18 @@ def _rope(x, cos, sin, *, rotary_dim, interleaved):
     return torch.cat((_rotate(rot, cos, sin, interleaved), rest), dim=-1)
 
 
+def _threaded_for_prompts(attention: Callable) -> Callable:
+    """A prompt's attention (more than one query) on torch's threads even where the kernels hold torch on one."""
+    @functools.wraps(attention)
+    def run(q, *args, **attrs):
+        if q.shape[-2] == 1:
+            return attention(q, *args, **attrs)
+        with torch_threads_back():
+            return attention(q, *args, **attrs)
+    return run
+
+
+@_threaded_for_prompts
 def _sdpa(q, k, v, mask, sinks=None, *, scale):
     groups = q.shape[0] // k.shape[0]
     if groups > 1:  # (a copy of the whole cache: skipped when every query head has its own)
@@ -60,6 +72,7 @@ def _sdpa(q, k, v, mask, sinks=None, *, scale):
     return torch.matmul(probs, v)
 
 
+@_threaded_for_prompts
 def _sdpa_over_parts(q, k_old, k_new, v_old, v_new, mask, sinks=None, *, scale):
     """``sdpa(q, concat(k_old, k_new), concat(v_old, v_new), mask, sinks)`` without building either
     concatenation (at decode each would copy the layer's whole KV cache) and with grouped-query heads

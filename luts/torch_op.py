@@ -57,7 +57,7 @@ def torch_on_one_thread() -> Iterator[None]:
     """Torch's own ops on one thread while the kernels keep torch's thread count. In a decode step whose
     matrices the kernels read, torch is left with small ops that gain nothing from threads, and its OpenMP
     workers spin for about a millisecond after each one on the core a kernel's worker needs (OLMoE-1B-7B,
-    bf16, 2 cores: 160 -> 126 ms/token). Prefill keeps torch threaded: its matrix products need it."""
+    bf16, 2 cores: 160 -> 126 ms/token). A prompt's attention takes torch's threads back (torch_threads_back)."""
     global _held_threads
     if _held_threads is not None:
         yield
@@ -69,6 +69,28 @@ def torch_on_one_thread() -> Iterator[None]:
     finally:
         torch.set_num_threads(_held_threads)
         _held_threads = None
+
+
+@contextmanager
+def torch_threads_back() -> Iterator[None]:
+    """Torch's own thread count again inside a torch_on_one_thread block: for a prompt's attention, the one large
+    product torch keeps when the kernels take a prompt's matrices (2 Zen 4 cores, bf16 Qwen3 widths: holding
+    torch on one thread throughout a prefill gains 8-10 % at 256 tokens and loses 10-16 % at 1536; giving the
+    attention its threads back keeps the gain and loses nothing)."""
+    held = _held_threads
+    if held is None:
+        yield
+        return
+    torch.set_num_threads(held)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
+
+
+def bf16_dot_available() -> bool:
+    """Do the kernels take a bf16 model's prompt products themselves (the dot-product GEMM)?"""
+    return bool(getattr(_kernels().calls, "bf16_dot", False))
 
 
 def _tiled(tiles, scales, zeros, bits: int, group: int, out_features: int, in_features: int) -> layout.TiledWeight:
@@ -196,7 +218,7 @@ def _bf16_path(x: torch.Tensor, w: torch.Tensor) -> str | None:
     if not (rows and x.dtype == torch.float32 and w.dtype == torch.bfloat16 and w.is_contiguous()
             and w.shape[-1] == k and _eager(x)):
         return None
-    if rows >= BF16_DOT_FROM and k % 32 == 0 and getattr(_kernels().calls, "bf16_dot", False):
+    if rows >= BF16_DOT_FROM and k % 32 == 0 and bf16_dot_available():
         return "dot"
     return "gemv" if rows <= BF16_GEMV_MAX_ROWS[_kernels().isa] else None
 

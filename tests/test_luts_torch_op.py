@@ -196,3 +196,25 @@ def test_packed_linears_batched_in_one_call_equal_each_alone():
         want = spec.lut_gemv(p, x[0].numpy()) + (0 if lin.bias is None else lin.bias.numpy())
         np.testing.assert_allclose(y[0].numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert lut_linear_many([*xs[:-1], torch.randn(2, 96)], linears) is None
+
+
+def test_a_prompts_attention_takes_torchs_threads_back():
+    """Inside torch_on_one_thread torch runs on one thread, but attention over more than one query (a prompt) gets
+    torch's own count back for its products, and one thread again after; a decode query (one row) stays on one."""
+    from npumoe.core.interpreter import _threaded_for_prompts
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        seen = []
+        attention = _threaded_for_prompts(lambda q: seen.append(torch.get_num_threads()))
+        with torch_op.torch_on_one_thread():
+            assert torch.get_num_threads() == 1 and torch_op.kernel_threads() == 3
+            attention(torch.zeros(2, 5, 8))  # heads, queries, dim: a prompt
+            after_prompt = torch.get_num_threads()
+            attention(torch.zeros(2, 1, 8))  # a decode step
+        assert seen == [3, 1] and after_prompt == 1
+        attention(torch.zeros(2, 5, 8))  # outside the block: torch's count, untouched
+        assert seen[-1] == 3 and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)

@@ -31,7 +31,7 @@ from npumoe.core.spec import MoESpec
 from npumoe.core.weights import compute_bytes
 from npumoe.errors import InputError, NumericError
 from npumoe.luts.decode import AttentionBlock, DecodeStep
-from npumoe.luts.torch_op import torch_on_one_thread
+from npumoe.luts.torch_op import bf16_dot_available, torch_on_one_thread
 
 DEFAULT_CHUNK = 64
 DEFAULT_MAX_CONTEXT = 512
@@ -258,6 +258,16 @@ class Engine:
 
     def _prefill(self, ids: torch.Tensor, keep: str = "all") -> torch.Tensor | None:
         """Logits of ``keep``: "all" positions, the "last" chunk's, or "none" (the LM head is skipped)."""
+        with self._prompt_threads():
+            return self._prefill_chunks(ids, keep)
+
+    def _prompt_threads(self):
+        """Where the kernels take a prompt's matrix products too (bf16 matrices on the dot-product GEMM), torch
+        keeps one thread but for the attention (torch_threads_back), as in decode; otherwise all its threads."""
+        kernels_take = self.model.weights.dtype == torch.bfloat16 and bf16_dot_available()
+        return torch_on_one_thread() if kernels_take else contextlib.nullcontext()
+
+    def _prefill_chunks(self, ids: torch.Tensor, keep: str) -> torch.Tensor | None:
         if self.buffering and len(ids) > self.program.chunk and self.cache.length == 0:
             return self._prefill_buffered(ids, keep)
         chunk, rows = self.program.chunk, []

@@ -22,6 +22,7 @@ from npumoe.luts.checkpoint import quantized_names
 
 PARTS = ("qweight", "qzeros", "scales", "g_idx", "bias")
 FORMATS = {"gptq": "v1", "gptq_v2": "v2"}  # checkpoint_format → zero-point convention
+GPTQ_BITS = (2, 3, 4, 8)  # what GPTQ exporters write (and its int32 packing was checked for)
 
 
 def options(cfg: dict, path: Path) -> tuple[int, int, str]:
@@ -32,6 +33,8 @@ def options(cfg: dict, path: Path) -> tuple[int, int, str]:
         raise UnsupportedModelError(f"{path} is GPTQ with one scale per output row (group_size {group}); npumoe's "
                                     "LUT format needs groups of 32, 64 or 128 inputs: use a grouped GPTQ export.")
     try:
+        if bits not in GPTQ_BITS:
+            raise InputError(f"GPTQ exports hold {', '.join(map(str, GPTQ_BITS))} bits.")
         spec.check_format(bits, group)
     except InputError as err:
         raise UnsupportedModelError(f"{path} is GPTQ at {bits} bits, group {group}, which npumoe cannot hold: "

@@ -8,7 +8,7 @@ so the CPU kernels, the ANE and the Hexagon NPU all run the same weights.
 Core ML ``constexpr_blockwise_shift_scale`` (iOS 18): output = scale · (data − offset), the
 block size implied by data.shape / scale.shape, so [N, K/group] scales give blocks of
 1 × group.
-    data    int4 (b ≤ 4) or int8 (b = 5, 8), [N, K]: q − 2^(D−1), D = 4 or 8 the stored width
+    data    int4 (b ≤ 4) or int8 (b = 5, 6, 8), [N, K]: q − 2^(D−1), D = 4 or 8 the stored width
     offset  same type, [N, K/group]: z − 2^(D−1)
     scale   [N, K/group]: s
   Symmetric weights drop the offset and store data = q − z (signed, zero-centred); the QDQ
@@ -23,7 +23,7 @@ one palette per block of 1 × group (the leading lut dims divide the indices' di
 
 ONNX ``DequantizeLinear`` (opset 21, blocked) as QNN's QDQ weights: y = (x − zero_point) ·
 scale along ``axis`` = 1 in blocks of ``block_size`` = group.
-    x           int4 (b ≤ 4) or int8 (b = 5, 8), [N, K]: q − 2^(D−1)
+    x           int4 (b ≤ 4) or int8 (b = 5, 6, 8), [N, K]: q − 2^(D−1)
     zero_point  same type, [N, K/group]: z − 2^(D−1) (symmetric: x = q − z, zero points 0)
     scale       [N, K/group]: s
   Per-channel (``axis`` = 0, scale and zero point [N]) exists when every group of a row

@@ -6,7 +6,7 @@ where the result must be bit-reproducible.
 
 Codes and quantisation
     A weight matrix W [N, K] (N outputs, K inputs) is stored as codes q[n, k] in
-    [0, 2^b), b ∈ {1, 2, 3, 4, 5, 8}, with one float16 scale s[n, g] > 0 and one integer
+    [0, 2^b), b ∈ {1, 2, 3, 4, 5, 6, 8}, with one float16 scale s[n, g] > 0 and one integer
     zero point z[n, g] ∈ [0, 2^b) per group g = k // group, group ∈ {32, 64, 128}:
 
         w[n, k] = s[n, g] · (q[n, k] − z[n, g])
@@ -17,7 +17,7 @@ Codes and quantisation
     1-bit symmetric is refused (its levels are −s and 0). Nothing in the format depends
     on b beyond the plane count; b = 5 is there because symmetric 5-bit codes hold every
     MXFP4 (FP4 E2M1) value exactly: q = 2·v + 16 ∈ [4, 28] with s = 2^(e − 128)
-    (:mod:`npumoe.luts.mxfp4`).
+    (:mod:`npumoe.luts.mxfp4`); b = 6 holds an LM head at llama.cpp's Q6_K precision.
 
 Bit-serial layout (what decoding reads)
     b one-bit planes. Plane i, row n, holds for each run c of 4 consecutive inputs the
@@ -57,7 +57,7 @@ import numpy as np
 
 from npumoe.errors import InputError, WeightError
 
-BITS = (1, 2, 3, 4, 5, 8)
+BITS = (1, 2, 3, 4, 5, 6, 8)
 GROUPS = (32, 64, 128)
 TABLE_BITS = (8, 16)
 TABLE_MAX = {8: 127, 16: 32767}

@@ -16,7 +16,7 @@ GEMV_CASES = [(bits, group, 1024, 1024, False) for bits in (2, 4) for group in (
     (int(rng_shapes.choice([2, 4])), group, 128 * int(rng_shapes.integers(1, 6)), group * int(rng_shapes.integers(1, 9)),
      bool(rng_shapes.integers(2))) for group in (64, 128, 64, 128)] + [
     (1, 32, 256, 96, False), (3, 64, 200, 192, True), (5, 32, 130, 160, True),  # other widths, padded rows
-    (8, 128, 128, 256, False)]
+    (6, 64, 140, 128, False), (8, 128, 128, 256, False)]
 
 
 def make(bits, group, n, k, symmetric, seed=0):

@@ -149,7 +149,7 @@ def test_quantised_table_gemv_is_within_nmse_of_fp32(bits, symmetric, table_bits
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(bits=6, group=64), "6-bit weights are not supported"),
+    (dict(bits=7, group=64), "7-bit weights are not supported"),
     (dict(bits=4, group=48), "group size 48 is not supported"),
     (dict(bits=1, group=64, symmetric=True), "1-bit symmetric"),
 ])

@@ -180,7 +180,7 @@ def test_symmetric_and_two_bit_checkpoints_load(source, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(bits=6, group=64), "6-bit weights are not supported"),
+    (dict(bits=7, group=64), "7-bit weights are not supported"),
     (dict(bits=4, group=48), "group size 48 is not supported"),
     (dict(bits=1, group=64, symmetric=True), "1-bit symmetric"),
     (dict(bits=4, group=128), r"layers\.0\.moe\.experts\.0\.gate\.weight has K = 64 inputs, not a multiple of "
@@ -194,9 +194,9 @@ def test_unsupported_formats_are_refused_before_writing(source, tmp_path, kwargs
 
 def test_cli_reports_bad_options_in_one_line(source, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["quantize", "--model", str(source), "--bits", "6", "--out", str(tmp_path)])
+        main(["quantize", "--model", str(source), "--bits", "7", "--out", str(tmp_path)])
     err = capsys.readouterr().err.strip()
-    assert exit_info.value.code == 2 and err.startswith("error: 6-bit weights") and len(err.splitlines()) == 1
+    assert exit_info.value.code == 2 and err.startswith("error: 7-bit weights") and len(err.splitlines()) == 1
 
 
 def test_requantising_and_clobbering_are_refused(source, quantized, tmp_path):

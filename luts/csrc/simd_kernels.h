@@ -36,6 +36,7 @@
     case 3: call(3); break;             \
     case 4: call(4); break;             \
     case 5: call(5); break;             \
+    case 6: call(6); break;             \
     default: call(8); break;            \
     }
 

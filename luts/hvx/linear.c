@@ -52,11 +52,11 @@ static inline __attribute__((always_inline)) void block(const HVX_Vector *tiles,
         block(tiles, tables, acc, b, g);                                                                 \
     }
 #define GROUPS(b) BLOCK(b, 32) BLOCK(b, 64) BLOCK(b, 128)
-GROUPS(1) GROUPS(2) GROUPS(3) GROUPS(4) GROUPS(5) GROUPS(8)
+GROUPS(1) GROUPS(2) GROUPS(3) GROUPS(4) GROUPS(5) GROUPS(6) GROUPS(8)
 
 #define ROW(b) {hvx_block_b##b##_g32, hvx_block_b##b##_g64, hvx_block_b##b##_g128}
 static const block_fn blocks[9][3] = {[1] = ROW(1), [2] = ROW(2), [3] = ROW(3), [4] = ROW(4), [5] = ROW(5),
-                                      [8] = ROW(8)};
+                                      [6] = ROW(6), [8] = ROW(8)};
 
 static block_fn find(int bits, int group) {
     if (bits < 1 || bits > 8 || (group != 32 && group != 64 && group != 128)) return 0;

@@ -30,9 +30,9 @@ CONFIG = {**QWEN3_30B_A3B, "num_hidden_layers": 2, "vocab_size": 8192, "bos_toke
 CHECKPOINT = CACHE / "qwen3-30b-a3b-2-layers-vocab8192"
 GGUF_DIR = CACHE / "qwen3-30b-a3b-2-layers-vocab8192-gguf"  # beside, not inside: quantize copies a checkpoint's files
 # npumoe format → (quantize bits or None for the stored bf16, the llama.cpp format it is measured against);
-# low-bit formats pack every linear but the routers, the LM head at 8 bits (llama.cpp's Q4_0/Q2_K keep
-# their output matrix at 6 bits: Q6_K)
+# low-bit formats pack every linear but the routers
 PAIRS = {"bf16": (None, "F16"), "int4": (4, "Q4_0"), "int2": (2, "Q2_K")}
+HEAD_BITS = 6  # the low-bit formats' LM head: llama.cpp's Q4_0 and Q2_K files keep theirs at 6 bits too (Q6_K)
 LLAMA_FTYPES = {"Q4_0": 2, "Q2_K": 10}  # llama_ftype values (llama.h)
 GOALS = {"bf16": 0.9, "int4": 1.0, "int2": 1.0}  # npumoe decode tok/s ÷ llama.cpp's, issue 18
 THREADS = 2
@@ -138,10 +138,10 @@ def prepared(console: Console, with_llama: bool) -> dict[str, tuple[Path, Path |
         source = write_random_checkpoint(CONFIG, CHECKPOINT, progress=False)
     paths = {}
     for fmt, (bits, llama_format) in PAIRS.items():
-        ckpt = source if bits is None else source.with_name(f"{source.name}-int{bits}-all-linears")
+        ckpt = source if bits is None else source.with_name(f"{source.name}-int{bits}-all-linears-head{HEAD_BITS}")
         if bits is not None and not (ckpt / "config.json").is_file():
-            with console.status(f"npumoe quantize --bits {bits} --linears all (once)"):
-                quantize_checkpoint(source, ckpt, bits=bits, group=64, linears="all", head_bits=8)
+            with console.status(f"npumoe quantize --bits {bits} --linears all --head-bits {HEAD_BITS} (once)"):
+                quantize_checkpoint(source, ckpt, bits=bits, group=64, linears="all", head_bits=HEAD_BITS)
         gguf_path = GGUF_DIR / f"model-{llama_format}.gguf" if with_llama else None
         if gguf_path is not None and not gguf_path.is_file():
             with console.status(f"writing the {llama_format} GGUF (once)"):

@@ -17,7 +17,7 @@ HELDOUT_WINDOW = 256  # inside every model's trained context (the demo's is 256)
 
 @click.command("quantize")
 @model_option
-@click.option("--bits", default=4, show_default=True, type=int, help="Bits per weight: 1, 2, 3, 4, 5 or 8.")
+@click.option("--bits", default=4, show_default=True, type=int, help="Bits per weight: 1, 2, 3, 4, 5, 6 or 8.")
 @click.option("--group", default=64, show_default=True, type=int,
               help="Weights per scale and zero point along K: 32, 64 or 128.")
 @click.option("--symmetric", is_flag=True, help="Zero point fixed at 2^(bits−1) (signed int4 for QNN's HTP).")

@@ -26,8 +26,6 @@ import numpy as np
 from npumoe.errors import BackendUnavailableError
 from npumoe.luts import build, layout, spec
 
-TILE_BYTES = 64  # one bit plane of a tile: 16 rows × 32 inputs
-FORMATS = {"int4": 4, "int2": 2}
 HARNESS = "mca_tile.c"
 
 
@@ -60,7 +58,7 @@ class TileEstimate:
 
     @property
     def bytes_per_cycle(self) -> float:
-        return self.bits * TILE_BYTES / self.cycles
+        return self.bits * layout.TILE_BYTES / self.cycles  # a tile's planes: 16 rows × 32 inputs, a bit each
 
     @property
     def gb_s(self) -> float:

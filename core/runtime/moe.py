@@ -267,7 +267,7 @@ class MoELayer:
             mine = [pairs[d.expert[pairs] == e] for e in experts]
             executors = [self.expert_executors[e] for e in experts]
             inputs = [{"x": z[d.token[pairs_e]]} for pairs_e in mine]
-            with m.running([f"L{self.layer}.cpu.e{e}" for e in experts]):
+            with m.running([self._cpu_names[e] for e in experts]):
                 results = _run_side_by_side(executors, inputs)
             self._count_cpu_calls(len(experts), m)
             for pairs_e, result in zip(mine, results):

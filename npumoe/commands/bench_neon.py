@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from npumoe.luts import estimate
+from npumoe.luts.bench import FORMATS
 from npumoe.luts.kernels import available
 
 READ_GB_S = 40  # a phone's or an M1's attainable read bandwidth, roughly: what "cores to stream" is counted against
@@ -17,10 +18,10 @@ READ_GB_S = 40  # a phone's or an M1's attainable read bandwidth, roughly: what 
 def run() -> dict:
     result = {"estimate_is_a_model": True, "neon": [], "host_check": []}
     for cpu in estimate.NEON_CPUS:
-        for bits in estimate.FORMATS.values():
+        for bits in FORMATS.values():
             result["neon"].append(estimate.estimate("neon", bits, cpu).to_json())
     for isa in (isa for isa in estimate.HOST_ISAS if isa in available()):
-        for bits in estimate.FORMATS.values():
+        for bits in FORMATS.values():
             result["host_check"].append(estimate.host_check(isa, bits))
     return result
 

@@ -16,10 +16,18 @@ def regions():
 
 
 def test_the_region_is_the_neon_tile_loop(regions):
-    """One tile's planes: one de-interleaving ld4 and 8 one-register lookups per plane, no four-register tbl."""
+    """One tile's planes: 8 one-register lookups per plane, no four-register tbl, and the plane's 64 bytes read
+    with plain q-register loads (its quarters are byte positions already: no de-interleaving ld4)."""
     for bits, region in regions.items():
         ops = [line.split()[0] for line in region]
-        assert ops.count("ld4") == bits and ops.count("tbl") == 8 * bits
+        assert ops.count("tbl") == 8 * bits and "ld4" not in ops
+        quarters = set()  # 16-byte offsets into the tile (x0) that q-register loads read
+        for line in region:
+            op, *args = line.replace(",", " ").replace("[", " ").replace("]", " ").split()
+            if op in ("ldp", "ldr") and "x0" in args:
+                at = int(args[-1]) if args[-1].isdigit() else 0
+                quarters |= {at + 16 * q for q in range(2 if op == "ldp" else 1)}
+        assert quarters == set(range(0, 64 * bits, 16))
         assert not any("tbl" in line and "-" in line.split("}")[0] for line in region)  # tbl {v0-v3}: 4 registers
 
 

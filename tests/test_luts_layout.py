@@ -29,9 +29,9 @@ def test_tiles_round_trip_and_hold_the_documented_bytes(case):
         assert np.array_equal(getattr(back, name), getattr(packed, name))
     idx = spec.indices_from_planes(packed.planes)  # [b, N, K/4]
     n, k = packed.meta.shape
-    for _ in range(20):  # byte 4r + p of tile (rb, t, i): low nibble run 8t + p, high nibble run 8t + 4 + p
+    for _ in range(20):  # byte 16p + r of tile (rb, t, i): low nibble run 8t + p, high nibble run 8t + 4 + p
         i, row, t, p = rng.integers(packed.meta.bits), rng.integers(n), rng.integers(k // 32), rng.integers(4)
-        byte = tiled.tiles[row // 16, t, i, 4 * (row % 16) + p]
+        byte = tiled.tiles[row // 16, t, i, 16 * p + row % 16]
         assert (byte & 15, byte >> 4) == (idx[i, row, 8 * t + p], idx[i, row, 8 * t + 4 + p])
     assert tiled.scales[row // 16, 0, row % 16] == packed.scales[row, 0]
     assert (tiled.zeros is None) == packed.meta.symmetric

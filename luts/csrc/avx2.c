@@ -1,9 +1,8 @@
 /* AVX2 + FMA + F16C: a tile is two vectors of 8 rows.
  *
- * GEMV core: vpshufb looks up 16 entries per 128-bit lane, and the four bytes of a row need
- * four different tables, so each plane is first regrouped into one byte position per lane
- * (two shuffles, two unpacks, two dword permutes for 16 rows); then one vpshufb per table,
- * vpmaddubsw pairs of runs times 2^i, and a tile's planes sum in int16 (tile_dots).
+ * GEMV core: vpshufb looks up 16 entries per 128-bit lane, and each lane of a plane is one
+ * byte position of 16 rows (layout.py), so one vpshufb per table; vpmaddubsw sums pairs of
+ * runs, and a tile's planes sum in int16 (tile_dots).
  */
 #include <immintrin.h>
 
@@ -43,9 +42,7 @@ typedef __m256i vi;
 #define i_table16(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
 #define i_lookup16 _mm256_shuffle_epi8
 #define i_nibble(v, h) _mm256_and_si256((h) ? _mm256_srli_epi16(v, 4) : (v), _mm256_set1_epi8(0x0F))
-#define i_byte(v, p) _mm256_shuffle_epi8(v, _mm256_add_epi32(_mm256_setr_epi32((int)0x80808000, (int)0x80808004, \
-    (int)0x80808008, (int)0x8080800C, (int)0x80808000, (int)0x80808004, (int)0x80808008, (int)0x8080800C),   \
-                                                              _mm256_set1_epi32(p)))
+#define i_store(p, v) _mm256_storeu_si256((__m256i *)(p), v)
 
 static inline float f_reduce_max(vf v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -70,19 +67,12 @@ static inline kt_tables load_tables(const void *tq, int kt) {
 }
 
 /* One plane's lookups as int16 sums of run pairs: rows 0-7 in lo and 8-15 in hi, lane 0 of each summing runs
- * 0, 2, 4, 6 and lane 1 runs 1, 3, 5, 7. The plane's bytes are first moved so that each 128-bit lane holds one
- * byte position (one run's indices) of all 16 rows: then a lane needs one table and each lookup is one vpshufb,
- * where looking up the stored order (four positions in every lane) took four shuffles and three blends. */
+ * 0, 2, 4, 6 and lane 1 runs 1, 3, 5, 7. Each 128-bit lane of the plane's two vectors is one byte position (one
+ * run's indices) of all 16 rows (layout.py), so a lane needs one table and each lookup is one vpshufb. */
 static inline __attribute__((always_inline)) void plane_sums(const uint8_t *plane, const kt_tables *t, __m256i *lo,
                                                              __m256i *hi) {
-    const __m256i by_position = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
-                                                 0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    const __m256i in_row_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), nibble = _mm256_set1_epi8(0x0F);
-    const __m256i ones = _mm256_set1_epi8(1);
-    const __m256i a = _mm256_shuffle_epi8(i_load(plane), by_position);      /* rows 0-7: per lane 4 rows, */
-    const __m256i b = _mm256_shuffle_epi8(i_load(plane + 32), by_position); /* position-major             */
-    const __m256i p01 = _mm256_permutevar8x32_epi32(_mm256_unpacklo_epi32(a, b), in_row_order); /* 16 rows | 16 */
-    const __m256i p23 = _mm256_permutevar8x32_epi32(_mm256_unpackhi_epi32(a, b), in_row_order);
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi8(1);
+    const __m256i p01 = i_load(plane), p23 = i_load(plane + 32); /* positions 0 | 1 and 2 | 3 */
     const __m256i r01 = _mm256_shuffle_epi8(t->lo01, _mm256_and_si256(p01, nibble));
     const __m256i r23 = _mm256_shuffle_epi8(t->lo23, _mm256_and_si256(p23, nibble));
     const __m256i r45 = _mm256_shuffle_epi8(t->hi01, _mm256_and_si256(_mm256_srli_epi16(p01, 4), nibble));

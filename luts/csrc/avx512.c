@@ -1,8 +1,9 @@
 /* AVX-512 (F/BW/VL/DQ + VBMI + VNNI): one vector is one whole tile (16 rows × 64 bytes).
  *
- * GEMV core: each nibble, tagged with its byte position p (idx | p << 4), picks from the
- * four 16-entry tables of runs 8t+p held in one register (vpermb); vpdpbusd sums each
- * row's four bytes into its int32 lane with the plane weight 2^i as the multiplier.
+ * GEMV core: a plane is put in row order (vpermb), then each nibble, tagged with its byte
+ * position p (idx | p << 4), picks from the four 16-entry tables of runs 8t+p held in one
+ * register (vpermb); vpdpbusd sums each row's four bytes into its int32 lane with the plane
+ * weight 2^i as the multiplier.
  */
 #include <immintrin.h>
 #include <stdlib.h>
@@ -44,8 +45,7 @@ typedef __m512i vi;
 #define i_table16(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))
 #define i_lookup16 _mm512_shuffle_epi8
 #define i_nibble(v, h) _mm512_and_si512((h) ? _mm512_srli_epi16(v, 4) : (v), _mm512_set1_epi8(0x0F))
-#define i_byte(v, p) _mm512_shuffle_epi8(v, _mm512_add_epi32(_mm512_set4_epi32((int)0x8080800C, (int)0x80808008, \
-                                                         (int)0x80808004, (int)0x80808000), _mm512_set1_epi32(p)))
+#define i_store(p, v) _mm512_storeu_si512((void *)(p), v)
 
 typedef struct {
     __m512i lo, hi; /* tables of runs 8t..8t+3 and 8t+4..8t+7 */
@@ -57,9 +57,18 @@ static inline kt_tables load_tables(const void *tq, int kt) {
     return t;
 }
 
+/* A plane in row order, byte 4r + p (layout.py stores 16p + r): each 32-bit lane one row, as vpdpbusd sums. */
+static inline __m512i plane_by_row(const uint8_t *plane) {
+    static const uint8_t byte_of_row[64] = {
+        0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
+        6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
+        12, 28, 44, 60, 13, 29, 45, 61, 14, 30, 46, 62, 15, 31, 47, 63};
+    return _mm512_permutexvar_epi8(_mm512_loadu_si512(byte_of_row), _mm512_loadu_si512(plane));
+}
+
 static inline __attribute__((always_inline)) void tile_dot(vi a[][ACC], const uint8_t *tile, const kt_tables *t, int i) {
     const __m512i nibble = _mm512_set1_epi8(0x0F), positions = _mm512_set1_epi32(0x30201000);
-    const __m512i v = _mm512_loadu_si512(tile);
+    const __m512i v = plane_by_row(tile);
     const __m512i lo = _mm512_ternarylogic_epi32(v, nibble, positions, 0xEA); /* (v & 15) | p << 4 */
     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, positions, 0xEA);
     const __m512i weight = _mm512_set1_epi8((char)(1 << i));
@@ -179,7 +188,7 @@ void tables_avx512(const float *x, int k, int group, int table_bits, void *tq_ou
 static inline __attribute__((always_inline)) void tile_codes(const uint8_t *tile, const int bits, __m512i q[2][4]) {
     __m512i nib[2][8];
     for (int i = 0; i < bits; i++) {
-        const __m512i v = i_load(tile + i * LUT_TILE_BYTES);
+        const __m512i v = plane_by_row(tile + i * LUT_TILE_BYTES);
         nib[0][i] = i_nibble(v, 0);
         nib[1][i] = i_nibble(v, 1);
     }

@@ -14,6 +14,7 @@
 #define LUT_ROWS 16       /* output rows per tile: one 32-bit lane each */
 #define LUT_TILE_K 32     /* inputs per tile */
 #define LUT_TILE_BYTES 64
+#define LUT_TILE_BYTE(r, p) (16 * (p) + (r)) /* row r's byte position p in a plane: runs 8t+p | 8t+4+p (layout.py) */
 #define LUT_MAX_THREADS 64
 /* The GEMV requests every weight cache line three times: into L2 32 KB and again 16 KB ahead
  * (hardware prefetchers stop at 4 KB pages, a compute-heavy loop keeps too few misses in flight

@@ -1,7 +1,7 @@
 /* AArch64 NEON (ARMv8.0 baseline): a tile is four vectors of 4 rows.
  *
- * GEMV core: ld4 splits a tile plane by byte position, so one register holds one run's indices
- * for 16 rows and each lookup is a one-register tbl; widening adds sum a row's runs in int16,
+ * GEMV core: a tile plane's 16-byte quarters are its byte positions, so one register holds one
+ * run's indices for 16 rows and each lookup is a one-register tbl; widening adds sum a row's runs in int16,
  * and a tile's planes (times 2^i) too, widened to int32 once a tile (tile_dots).
  */
 #include <arm_neon.h>
@@ -46,8 +46,7 @@ typedef int32x4_t vi;
 #define i_lookup16(t, idx) S32(vqtbl1q_u8(U8(t), U8(idx)))
 #define i_nibble(v, h) S32((h) ? vshrq_n_u8(U8(v), 4) : vandq_u8(U8(v), vdupq_n_u8(0x0F)))
 
-static const uint8_t DWORD_BYTES[16] = {0, 0x80, 0x80, 0x80, 4, 0x80, 0x80, 0x80, 8, 0x80, 0x80, 0x80, 12, 0x80, 0x80, 0x80};
-#define i_byte(v, p) S32(vqtbl1q_u8(U8(v), vaddq_u8(vld1q_u8(DWORD_BYTES), vdupq_n_u8((uint8_t)(p)))))
+#define i_store(p, v) vst1q_u8((uint8_t *)(p), U8(v))
 
 static inline vi i_u8(const uint8_t *p) {
     uint32_t four;
@@ -82,9 +81,8 @@ static inline __attribute__((always_inline)) void position_sums(uint8x16_t p_byt
     rows[1] = vaddq_s16(rows[1], vaddl_high_s8(lo, hi));
 }
 
-/* All planes of a tile. ld4 de-interleaves a plane's 64 bytes by byte position, so each register holds one
- * run's indices for all 16 rows and every lookup is a one-register tbl (the stored order, four positions in a
- * register, needed the four-register tbl). Up to 5 bits the planes sum in int16 (each row at most
+/* All planes of a tile. Each 16 bytes of a plane are one byte position of all 16 rows (layout.py), so a register
+ * holds one run's indices and every lookup is a one-register tbl. Up to 5 bits the planes sum in int16 (each row at most
  * (2^5 − 1) · 8 · 127 = 31496) and widen once a tile; wider codes widen every plane. */
 #define ISA_OWN_TILE_DOTS
 static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const uint8_t *tile, const kt_tables *t,
@@ -93,9 +91,9 @@ static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const u
 #pragma GCC unroll 8
     for (int i = 0; i < bits; i++) {
         lut_prefetch_line(tile + i * LUT_TILE_BYTES);
-        const uint8x16x4_t by_position = vld4q_u8(tile + i * LUT_TILE_BYTES);
         int16x8_t plane[2] = {vdupq_n_s16(0), vdupq_n_s16(0)};
-        for (int p = 0; p < 4; p++) position_sums(by_position.val[p], t->lo.val[p], t->hi.val[p], plane);
+        for (int p = 0; p < 4; p++)
+            position_sums(vld1q_u8(tile + i * LUT_TILE_BYTES + LUT_TILE_BYTE(0, p)), t->lo.val[p], t->hi.val[p], plane);
         if (bits <= 5) {
             total[0] = vmlaq_n_s16(total[0], plane[0], (int16_t)(1 << i));
             total[1] = vmlaq_n_s16(total[1], plane[1], (int16_t)(1 << i));

@@ -89,7 +89,7 @@ void gemv_portable(const lut_weight *w, const lut_tables *t, int rb0, int rb1, f
                 for (int i = 0; i < w->bits; i++, tile += LUT_TILE_BYTES)
                     for (int r = 0; r < LUT_ROWS; r++)
                         for (int p = 0; p < 4; p++) {
-                            uint8_t byte = tile[4 * r + p];
+                            uint8_t byte = tile[LUT_TILE_BYTE(r, p)];
                             a[r] += (entry(t, 8 * kt + p, byte & 15) + entry(t, 8 * kt + 4 + p, byte >> 4)) * (1 << i);
                         }
             }
@@ -114,7 +114,8 @@ void dequant_tile_portable(const lut_weight *w, int rb, int kt, float *panel, in
         for (int h = 0; h < 2; h++)
             for (int p = 0; p < 4; p++) {
                 uint32_t word = 0; /* level 1: four codes as four bytes */
-                for (int i = 0; i < w->bits; i++) word |= lut_repack[i][(tile[i * LUT_TILE_BYTES + 4 * r + p] >> (4 * h)) & 15];
+                for (int i = 0; i < w->bits; i++)
+                    word |= lut_repack[i][(tile[i * LUT_TILE_BYTES + LUT_TILE_BYTE(r, p)] >> (4 * h)) & 15];
                 for (int j = 0; j < 4; j++) /* level 2: fp32(q - z) * s, the value table's entry */
                     panel[(16 * h + 4 * p + j) * ld + r] = (float)((int)((word >> (8 * j)) & 0xFF) - z) * s;
             }

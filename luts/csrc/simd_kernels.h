@@ -13,7 +13,7 @@
  *   i_table16(p)                  a 16-byte table in every 128-bit lane
  *   i_lookup16(table, idx)        per-byte lookup, idx < 16
  *   i_nibble(v, h)                nibble h (0 low, 1 high) of every byte
- *   i_byte(v, p)                  byte p of every 32-bit lane, zero-extended
+ *   i_store(p, v)                 4W bytes to p
  *   store_run(dst, t[16/W], inv)  16 table entries · inv, rounded half-even, as int8 (not needed when the
  *                                 ISA file defines ISA_OWN_TABLES and its own tables_<isa>)
  *   kt_tables load_tables(tq, kt) and tile_dot(a[RV][ACC], tile, &tables, i): the GEMV core,
@@ -239,30 +239,39 @@ void ISA(gemv_multi)(const lut_weight *w, const lut_tables *const *t, int rb0, i
 #undef GEMV_MULTI
 }
 
+/* Level 1 (the spec's repack word, a byte a plane) runs over whole vectors of a tile's planes into codes, whose
+ * byte LUT_TILE_BYTE(r, p) of [h][j] is the code of row r's input 16h + 4p + j; level 2 reads W rows of one
+ * position p at a time, as the panel's float rows want them. */
 static inline __attribute__((always_inline)) void dequant_tile_bits(const lut_weight *w, int rb, int kt, float *panel,
                                                                     int ld, const int bits) {
     const uint8_t *tile = lut_tile(w, rb, kt);
     const size_t at = lut_block_param(w, rb, kt * LUT_TILE_K / w->group);
-    for (int rv = 0; rv < RV; rv++) {
-        const vf s = f_half(w->scales + at + rv * W);
-        const vf z = w->zeros ? f_from_i(i_u8(w->zeros + at + rv * W)) : f_set1((float)(1 << (bits - 1)));
-        const vf minus_sz = f_sub(f_zero(), f_mul(s, z)); /* exact, so q·s − s·z rounds to (q − z)·s */
+    uint8_t codes[2][4][LUT_TILE_BYTES] __attribute__((aligned(64)));
+    for (int c = 0; c < LUT_TILE_BYTES; c += 4 * W) { /* a vector holds 4W bytes */
         vi nib[2][8];
         for (int i = 0; i < bits; i++) {
-            const vi v = i_load(tile + i * LUT_TILE_BYTES + rv * 4 * W);
+            const vi v = i_load(tile + i * LUT_TILE_BYTES + c);
             nib[0][i] = i_nibble(v, 0);
             nib[1][i] = i_nibble(v, 1);
         }
         for (int j = 0; j < 4; j++) {
-            vi q[2] = {i_zero(), i_zero()}; /* byte 4r+p of q[h]: the code of input 16h + 4p + j */
-            for (int i = 0; i < bits; i++) { /* level 1: byte j of the spec's repack word, per plane */
+            vi q[2] = {i_zero(), i_zero()};
+            for (int i = 0; i < bits; i++) {
                 const vi table = i_table16(lut_repack_bytes[i][j]);
                 for (int h = 0; h < 2; h++) q[h] = i_or(q[h], i_lookup16(table, nib[h][i]));
             }
-            for (int h = 0; h < 2; h++)
-                for (int p = 0; p < 4; p++)
-                    f_store(panel + (16 * h + 4 * p + j) * ld + rv * W, f_fmadd(f_from_i(i_byte(q[h], p)), s, minus_sz));
+            for (int h = 0; h < 2; h++) i_store(codes[h][j] + c, q[h]);
         }
+    }
+    for (int rv = 0; rv < RV; rv++) {
+        const vf s = f_half(w->scales + at + rv * W);
+        const vf z = w->zeros ? f_from_i(i_u8(w->zeros + at + rv * W)) : f_set1((float)(1 << (bits - 1)));
+        const vf minus_sz = f_sub(f_zero(), f_mul(s, z)); /* exact, so q·s − s·z rounds to (q − z)·s */
+        for (int h = 0; h < 2; h++)
+            for (int p = 0; p < 4; p++)
+                for (int j = 0; j < 4; j++)
+                    f_store(panel + (16 * h + 4 * p + j) * ld + rv * W,
+                            f_fmadd(f_from_i(i_u8(codes[h][j] + LUT_TILE_BYTE(rv * W, p))), s, minus_sz));
     }
 }
 

@@ -21,20 +21,20 @@ from npumoe.errors import InputError
 from npumoe.luts import kernels, layout, spec
 
 
-GEMM_FROM = {"avx512": 2048, "avx2": 64, "neon": 64, "portable": 64}  # rows × bits where the GEMM starts to win
+GEMM_FROM = {"avx512": 4096, "avx2": 4096, "neon": 64, "portable": 64}  # rows × bits where the GEMM starts to win
 EXACT_GEMM_FROM = 64  # above 4 bits
 
 
 def uses_gemm(rows: int, bits: int, isa: str | None = None) -> bool:
     """Dequantise once (GEMM) from ``rows × bits ≥ GEMM_FROM[isa]``; below, the LUT-GEMV (a few rows at a time, each
-    tile read once for them).
+    tile read once for them). At 3-4 bits the x86 builds take the int8 GEMM first (:func:`uses_int8`).
 
     A LUT-GEMV's table lookups grow with bits × rows; the GEMM's dequantisation costs about the same
     at any width. Measured on a quiet 2-core AMD EPYC (768×2048, 2048×768 and 4096×2048, 2 threads,
-    GEMV time / GEMM time): the AVX-512 build's four-row GEMV wins at every row count measured, 16 to 256, at 2 and
-    4 bits (0.26-0.86; the GEMM from 512 rows at 4 bits is a guess); the AVX2 build's two-row GEMV crosses at about
-    8 rows at 4 bits (0.87-1.10) and 64 at 2 bits (1.00-1.04). NEON and portable keep AVX2's rule (not measured:
-    NEON runs here only under emulation). Above 4 bits the GEMV's 8-bit activation tables, not the weights, set its
+    GEMV time / GEMM time) at 2 bits, 4 to 1024 rows: AVX-512 (four-row GEMV) 0.16-0.36, AVX2 (two-row GEMV)
+    0.33-0.60 (and 0.35-0.39 at 1 bit, 512-1024 rows), so the GEMM from 2048 rows at 2 bits is a guess.
+    NEON and portable keep the old AVX2 rule, a crossing at about 8 rows at 4 bits and 32 at 2 (not measured: NEON
+    runs here only under emulation). Above 4 bits the GEMV's 8-bit activation tables, not the weights, set its
     error (MXFP4 experts, 8-bit heads), so the exact dequantising GEMM takes over early there, whatever the ISA.
     """
     return rows * bits >= (GEMM_FROM[isa or _kernels().isa] if bits <= 4 else EXACT_GEMM_FROM)
@@ -114,10 +114,10 @@ def _compute(x: torch.Tensor, weight: layout.TiledWeight) -> torch.Tensor:
 def lut_product(run: kernels.LutKernels, weight: layout.TiledWeight, rows: np.ndarray, threads: int):
     """(y [M, N] = rows · Wᵀ, the path's name) by the path the op takes for M rows on ``run`` 's build: the
     dequantising GEMM, the int8 GEMM or the LUT-GEMV."""
-    if uses_gemm(rows.shape[0], weight.bits, run.isa):
-        return run.gemm(weight, rows, threads), "dequant GEMM"
     if uses_int8(rows.shape[0], weight.bits) and (y := run.gemm_int8(weight, rows, threads)) is not None:
         return y, "int8 GEMM"
+    if uses_gemm(rows.shape[0], weight.bits, run.isa):
+        return run.gemm(weight, rows, threads), "dequant GEMM"
     return run.gemv(weight, rows, threads=threads), "LUT-GEMV"
 
 
@@ -125,12 +125,14 @@ INT8_FROM = 8  # rows from which 3-4-bit weights take the int8-activation GEMM w
 
 
 def uses_int8(rows: int, bits: int) -> bool:
-    """Quantise the activations to int8 and take dot products (AVX-512 VNNI) from ``INT8_FROM`` rows at 3-4 bits:
-    a LUT-GEMV row costs two lookups and two dot products per bit plane, an int8 row one dot product per 64
-    weights once each tile is unpacked. Measured on a quiet 2-core AMD EPYC (768×2048, 2048×768, 4096×2048 at
-    4 bits, 2 threads, int8 time / four-row GEMV time): 0.96-1.19 at 2-4 rows, 0.81-0.85 at 8, 0.70-0.73 at 16,
-    0.58-0.91 at 64. Its error is the LUT-GEMV's kind and size (spec.int8_gemv; NMSE against fp32 3.5e-5 where the
-    LUT-GEMV's is 5.7e-5 on Gaussian weights and activations)."""
+    """Quantise the activations to int8 and take byte dot products (AVX-512 VNNI, AVX2) from ``INT8_FROM`` rows at
+    3-4 bits, ahead of the dequantising GEMM: a LUT-GEMV row costs two lookups and two dot products per bit plane,
+    an int8 row one or two instructions per vector of weights once each tile is unpacked. Measured on a quiet
+    2-core AMD EPYC (768×2048, 2048×768, 4096×2048 at 4 bits, 2 threads), int8 time / multi-row GEMV time: AVX-512
+    0.85-0.96 at 8 rows, 0.63-0.87 at 64-1024; AVX2 1.11-1.17 at 4 rows, 0.80-0.89 at 8, 0.62-0.75 at 16-256.
+    Against the dequantising GEMM it takes 0.22-0.56 of the time on AVX-512 (8-1024 rows) and 0.42-0.64 on AVX2.
+    Its error is the LUT-GEMV's kind and size (spec.int8_gemv; NMSE against fp32 3.5e-5 where the LUT-GEMV's is
+    5.7e-5 on Gaussian weights and activations)."""
     return rows >= INT8_FROM and 3 <= bits <= 4
 
 

@@ -25,7 +25,8 @@ static const lut_isa ISA =
     {"avx512", tables_avx512, gemv_avx512, dequant_tile_avx512, gemm_avx512, AVX512_MR, gemv_multi_avx512,
      AVX512_GEMV_MR, gemm_i8_avx512, int8_rows_avx512};
 #elif defined(NPUMOE_ISA_AVX2)
-    {"avx2", tables_avx2, gemv_avx2, dequant_tile_avx2, gemm_avx2, AVX2_MR, gemv_multi_avx2, AVX2_GEMV_MR, NULL, NULL};
+    {"avx2", tables_avx2, gemv_avx2, dequant_tile_avx2, gemm_avx2, AVX2_MR, gemv_multi_avx2, AVX2_GEMV_MR, gemm_i8_avx2,
+     int8_rows_avx2};
 #elif defined(NPUMOE_ISA_NEON)
     {"neon", tables_neon, gemv_neon, dequant_tile_neon, gemm_neon, NEON_MR, gemv_multi_neon, NEON_GEMV_MR, NULL, NULL};
 #else

@@ -5,6 +5,7 @@
  * runs, and a tile's planes sum in int16 (tile_dots).
  */
 #include <immintrin.h>
+#include <string.h>
 
 #include "isa.h"
 
@@ -114,6 +115,46 @@ static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const u
         a[0][0] = _mm256_add_epi32(a[0][0], _mm256_slli_epi32(widen_lanes(_mm256_setzero_si256(), lo), i));
         a[1][0] = _mm256_add_epi32(a[1][0], _mm256_slli_epi32(widen_lanes(_mm256_setzero_si256(), hi), i));
     }
+}
+
+/* The int8 GEMM's dot products (simd_kernels.h): vpmaddubsw multiplies codes (unsigned) by activations (signed)
+ * and adds pairs into int16, which sum over a tile's 8 products per word (|·| ≤ 8 · 2 · 15 · 127 = 30480 at 4
+ * bits) before vpmaddwd widens them once. */
+#define ISA_INT8_DOTS
+#define I8_ROWS 4 /* 4 rows × 2 row vectors of accumulators */
+#define i_from_f _mm256_cvtps_epi32 /* round half to even */
+#define i_mul _mm256_mullo_epi32
+
+/* Rows 8rv..8rv+7 of a plane in row order (byte 4r + p): positions 0 and 2, 1 and 3 interleaved as byte pairs,
+ * rows 0-3 and 4-7 brought into one lane each, then each row's four bytes gathered within its lane. */
+static inline __m256i plane_rows(const uint8_t *plane, int rv) {
+    const __m256i by_row = _mm256_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15,
+                                            0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    const __m256i p01 = i_load(plane), p23 = i_load(plane + 32);
+    const __m256i pairs = rv ? _mm256_unpackhi_epi8(p01, p23) : _mm256_unpacklo_epi8(p01, p23);
+    return _mm256_shuffle_epi8(_mm256_permute4x64_epi64(pairs, 0xD8), by_row);
+}
+
+static inline void i8_store_tile(int8_t *to, const vi *q) {
+    /* packs leave inputs 0-3, 8-11, 16-19, 24-27 | 4-7, 12-15, 20-23, 28-31 as dwords; then byte 4j + p of each
+     * 16-byte half from byte 4p + j: a 4 × 4 transpose */
+    const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    const __m256i order = _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                           0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    _mm256_storeu_si256((__m256i *)to, _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(bytes, in_order), order));
+}
+
+static inline __attribute__((always_inline)) void i8_tile_dots(vi acc[], const vi codes[][2][4], const int8_t *a) {
+    __m256i sums[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++) {
+            int32_t word;
+            memcpy(&word, a + 4 * (4 * h + j), sizeof word);
+            const __m256i x = _mm256_set1_epi32(word);
+            for (int rv = 0; rv < 2; rv++) sums[rv] = _mm256_add_epi16(sums[rv], _mm256_maddubs_epi16(codes[rv][h][j], x));
+        }
+    for (int rv = 0; rv < 2; rv++) acc[rv] = _mm256_add_epi32(acc[rv], _mm256_madd_epi16(sums[rv], _mm256_set1_epi16(1)));
 }
 
 #include "simd_kernels.h"

@@ -6,7 +6,7 @@
  * weight 2^i as the multiplier.
  */
 #include <immintrin.h>
-#include <stdlib.h>
+#include <string.h>
 
 #include "isa.h"
 
@@ -57,8 +57,10 @@ static inline kt_tables load_tables(const void *tq, int kt) {
     return t;
 }
 
-/* A plane in row order, byte 4r + p (layout.py stores 16p + r): each 32-bit lane one row, as vpdpbusd sums. */
-static inline __m512i plane_by_row(const uint8_t *plane) {
+/* A plane in row order, byte 4r + p (layout.py stores 16p + r): each 32-bit lane one row, as vpdpbusd sums
+ * (rv: the row vector, always 0 here where one vector holds all 16 rows). */
+static inline __m512i plane_rows(const uint8_t *plane, int rv) {
+    (void)rv;
     static const uint8_t byte_of_row[64] = {
         0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51, 4, 20, 36, 52, 5, 21, 37, 53,
         6, 22, 38, 54, 7, 23, 39, 55, 8, 24, 40, 56, 9, 25, 41, 57, 10, 26, 42, 58, 11, 27, 43, 59,
@@ -68,7 +70,7 @@ static inline __m512i plane_by_row(const uint8_t *plane) {
 
 static inline __attribute__((always_inline)) void tile_dot(vi a[][ACC], const uint8_t *tile, const kt_tables *t, int i) {
     const __m512i nibble = _mm512_set1_epi8(0x0F), positions = _mm512_set1_epi32(0x30201000);
-    const __m512i v = plane_by_row(tile);
+    const __m512i v = plane_rows(tile, 0);
     const __m512i lo = _mm512_ternarylogic_epi32(v, nibble, positions, 0xEA); /* (v & 15) | p << 4 */
     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, positions, 0xEA);
     const __m512i weight = _mm512_set1_epi8((char)(1 << i));
@@ -175,131 +177,28 @@ void tables_avx512(const float *x, int k, int group, int table_bits, void *tq_ou
     }
 }
 
-#include "simd_kernels.h"
-
-/* ---- prefill with int8 activations (VNNI) ----
- *
- * At 3-4 bits a LUT-GEMV row costs two table lookups and two dot products per bit plane; vpdpbusd multiplies 64
- * weight codes by 64 int8 activations in one instruction. So for a few rows or more, each tile's codes are
- * unpacked once (dequant_tile's level-1 repack, without the float step) and every row's activations, quantised
- * per group to int8 (spec.quantize_activations), are dotted with them: y = Σ_g s·xs_g·(Σ q·xq − z·Σ xq). */
-
-/* q[h][j], lane r: the codes of row r's inputs 16h + 4p + j in byte p (p = 0..3) of tile (rb, kt). */
-static inline __attribute__((always_inline)) void tile_codes(const uint8_t *tile, const int bits, __m512i q[2][4]) {
-    __m512i nib[2][8];
-    for (int i = 0; i < bits; i++) {
-        const __m512i v = plane_by_row(tile + i * LUT_TILE_BYTES);
-        nib[0][i] = i_nibble(v, 0);
-        nib[1][i] = i_nibble(v, 1);
-    }
-    for (int j = 0; j < 4; j++) {
-        q[0][j] = q[1][j] = i_zero();
-        for (int i = 0; i < bits; i++) {
-            const __m512i table = i_table16(lut_repack_bytes[i][j]);
-            for (int h = 0; h < 2; h++) q[h][j] = i_or(q[h][j], i_lookup16(table, nib[h][i]));
-        }
-    }
-}
-
-/* Row block rb against m activation rows (xq per row: k int8 in tile order, see int8_rows), into out [m][16]:
- * each group's tiles unpacked once, then dotted with every row's activations, I8_ROWS rows a pass. */
+/* The int8 GEMM's dot products (simd_kernels.h): vpdpbusd sums a row's four code × activation products. */
+#define ISA_INT8_DOTS
 #define I8_ROWS 8 /* activation rows a pass keeps accumulators for */
+#define i_from_f _mm512_cvtps_epi32 /* round half to even */
+#define i_mul _mm512_mullo_epi32
 
-static inline __attribute__((always_inline)) void gemm_i8_group(const __m512i (*codes)[2][4], const int tiles,
-                                                                const int8_t *xq, int k, int kt0, __m512i *acc,
-                                                                const int rows) {
-    for (int r = 0; r < rows; r++) acc[r] = i_zero();
-    for (int t = 0; t < tiles; t++)
-        for (int r = 0; r < rows; r++) {
-            const int8_t *a = xq + (size_t)r * k + (size_t)(kt0 + t) * LUT_TILE_K;
-            for (int h = 0; h < 2; h++)
-                for (int j = 0; j < 4; j++) {
-                    int32_t word;
-                    memcpy(&word, a + 4 * (4 * h + j), sizeof word);
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], codes[t][h][j], _mm512_set1_epi32(word));
-                }
-        }
-}
-
-static inline __attribute__((always_inline)) void gemm_i8_block(const lut_weight *w, const int8_t *xq, const float *xs,
-                                                                const int32_t *xsum, int m, int rb, float *out,
-                                                                const int bits, const int tiles) {
-    const int groups = lut_groups(w), k = w->k;
-    for (int r = 0; r < m; r++) f_store(out + (size_t)r * LUT_ROWS, f_zero());
-    for (int g = 0; g < groups; g++) {
-        __m512i codes[4][2][4];
-        for (int t = 0; t < tiles; t++) {
-            const uint8_t *tile = lut_tile(w, rb, g * tiles + t);
-            for (int i = 0; i < bits; i++) lut_prefetch_line(tile + i * LUT_TILE_BYTES);
-            tile_codes(tile, bits, codes[t]);
-        }
-        const size_t at = lut_block_param(w, rb, g);
-        const __m512 s = f_half(w->scales + at);
-        const __m512i z = w->zeros ? i_u8(w->zeros + at) : i_set1(1 << (bits - 1));
-        for (int r0 = 0; r0 < m; r0 += I8_ROWS) {
-            const int rows = m - r0 < I8_ROWS ? m - r0 : I8_ROWS;
-            __m512i acc[I8_ROWS];
-            const int8_t *a = xq + (size_t)r0 * k;
-            switch (rows) { /* (a compile-time row count keeps the accumulators in registers) */
-            case 1: gemm_i8_group(codes, tiles, a, k, g * tiles, acc, 1); break;
-            case 2: gemm_i8_group(codes, tiles, a, k, g * tiles, acc, 2); break;
-            case 3: gemm_i8_group(codes, tiles, a, k, g * tiles, acc, 3); break;
-            case 4: gemm_i8_group(codes, tiles, a, k, g * tiles, acc, 4); break;
-            case 5: gemm_i8_group(codes, tiles, a, k, g * tiles, acc, 5); break;
-            case 6: gemm_i8_group(codes, tiles, a, k, g * tiles, acc, 6); break;
-            case 7: gemm_i8_group(codes, tiles, a, k, g * tiles, acc, 7); break;
-            default: gemm_i8_group(codes, tiles, a, k, g * tiles, acc, 8); break;
-            }
-            for (int r = 0; r < rows; r++) {
-                const size_t row = (size_t)(r0 + r) * groups + g;
-                const __m512i total = i_sub(acc[r], _mm512_mullo_epi32(z, i_set1(xsum[row])));
-                float *o = out + (size_t)(r0 + r) * LUT_ROWS;
-                f_store(o, f_fmadd(f_mul(s, f_set1(xs[row])), f_from_i(total), f_load(o)));
-            }
-        }
-    }
-}
-
-void gemm_i8_avx512(const lut_weight *w, const int8_t *xq, const float *xs, const int32_t *xsum, int m, int rb0,
-                    int rb1, float *y, int ldy) {
-    float *out = malloc(sizeof(float) * LUT_ROWS * (size_t)m); /* one row block's outputs, every row */
-    if (!out) return; /* (the caller's allocations are far larger: it would have failed first) */
-    for (int rb = rb0; rb < rb1; rb++) {
-#define BLOCK(b, t) gemm_i8_block(w, xq, xs, xsum, m, rb, out, b, t)
-        const int tiles = w->group / LUT_TILE_K;
-        if (w->bits == 3)
-            tiles == 1 ? BLOCK(3, 1) : tiles == 2 ? BLOCK(3, 2) : BLOCK(3, 4);
-        else
-            tiles == 1 ? BLOCK(4, 1) : tiles == 2 ? BLOCK(4, 2) : BLOCK(4, 4);
-#undef BLOCK
-        for (int r = 0; r < m; r++) memcpy(y + (size_t)r * ldy + (size_t)rb * LUT_ROWS, out + (size_t)r * LUT_ROWS,
-                                           sizeof(float) * LUT_ROWS);
-    }
-    free(out);
-}
-
-void int8_rows_avx512(const float *x, int m, int k, int group, int8_t *xq, float *xs, int32_t *xsum) {
+static inline void i8_store_tile(int8_t *to, const vi *q) {
     /* byte 4j + p of each 16-byte half from byte 4p + j: a 4 × 4 transpose */
     const __m256i order =
         _mm256_broadcastsi128_si256(_mm_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15));
-    const int groups = k / group;
-    for (int i = 0; i < m; i++)
-        for (int g = 0; g < groups; g++) {
-            const float *v = x + (size_t)i * k + (size_t)g * group;
-            __m512 top = _mm512_setzero_ps();
-            for (int c = 0; c < group; c += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(v + c)));
-            const float amax = _mm512_reduce_max_ps(top);
-            const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-            __m512i sum = _mm512_setzero_si512();
-            for (int c = 0; c < group; c += LUT_TILE_K) {
-                const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + c), inv)); /* half to even */
-                const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(v + c + 16), inv));
-                sum = _mm512_add_epi32(sum, _mm512_add_epi32(q0, q1));
-                const __m256i bytes = _mm256_set_m128i(_mm512_cvtepi32_epi8(q1), _mm512_cvtepi32_epi8(q0));
-                _mm256_storeu_si256((__m256i *)(xq + (size_t)i * k + (size_t)g * group + c),
-                                    _mm256_shuffle_epi8(bytes, order));
-            }
-            xs[(size_t)i * groups + g] = amax / 127.0f;
-            xsum[(size_t)i * groups + g] = _mm512_reduce_add_epi32(sum);
+    const __m256i bytes = _mm256_set_m128i(_mm512_cvtepi32_epi8(q[1]), _mm512_cvtepi32_epi8(q[0]));
+    _mm256_storeu_si256((__m256i *)to, _mm256_shuffle_epi8(bytes, order));
+}
+
+static inline __attribute__((always_inline)) void i8_tile_dots(vi acc[], const vi codes[][2][4], const int8_t *a) {
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++) {
+            int32_t word;
+            memcpy(&word, a + 4 * (4 * h + j), sizeof word);
+            acc[0] = _mm512_dpbusd_epi32(acc[0], codes[0][h][j], _mm512_set1_epi32(word));
         }
 }
+
+#include "simd_kernels.h"
+

@@ -23,14 +23,18 @@
 #define NEON_GEMV_MR 2
 #define LUT_MAX_GEMV_MR 4
 
+/* 3-4-bit weights × int8 activations, where the ISA has byte dot products (simd_kernels.h): int8_rows quantises
+ * x [m][k] per group (spec's quantize_activations) into xq in the order gemm_i8 reads it (per 32-input tile, input
+ * 16h + 4p + j at byte 4(4h + j) + p), with each group's scale xs and Σ xq. */
+#define ISA_INT8_KERNELS(isa)                                                                                    \
+    void int8_rows_##isa(const float *x, int m, int k, int group, int8_t *xq, float *xs, int32_t *xsum);        \
+    void gemm_i8_##isa(const lut_weight *w, const int8_t *xq, const float *xs, const int32_t *xsum, int m, int rb0, \
+                       int rb1, float *y, int ldy);
+
 ISA_KERNELS(avx512)
-/* 3-4-bit weights × int8 activations, AVX-512 VNNI only: int8_rows quantises x [m][k] per group (spec's
- * quantize_activations) into xq in the order gemm_i8 reads it (per 32-input tile, input 16h + 4p + j at byte
- * 4(4h + j) + p), with each group's scale xs and Σ xq. */
-void int8_rows_avx512(const float *x, int m, int k, int group, int8_t *xq, float *xs, int32_t *xsum);
-void gemm_i8_avx512(const lut_weight *w, const int8_t *xq, const float *xs, const int32_t *xsum, int m, int rb0,
-                    int rb1, float *y, int ldy);
+ISA_INT8_KERNELS(avx512)
 ISA_KERNELS(avx2)
+ISA_INT8_KERNELS(avx2)
 ISA_KERNELS(neon)
 
 #endif

@@ -22,6 +22,7 @@
  *     ISA_OWN_TILE_DOTS, tile_dots(a, tile, &tables, bits) for all planes of a tile at once
  *   GEMM_ROW_BLOCKS, GEMM_MR      microkernel shape: MR activations × 16·GEMM_ROW_BLOCKS rows
  */
+#include <stdlib.h>
 #include <string.h>
 
 #define RV (LUT_ROWS / W)  /* vectors per 16 rows */
@@ -319,3 +320,149 @@ void ISA(gemm)(const lut_weight *w, const float *xt, int m_pad, int m, int rb0, 
         }
     }
 }
+
+#ifdef ISA_INT8_DOTS
+/* ---- prefill with int8 activations ----
+ *
+ * At 3-4 bits a LUT-GEMV row costs two table lookups and two dot products per bit plane, where a 4-way byte dot
+ * product (AVX-512 VNNI vpdpbusd; AVX2 vpmaddubsw) multiplies a vector of weight codes by int8 activations in one
+ * or two instructions. So for a few rows or more, each tile's codes are unpacked once (dequant_tile's level-1
+ * repack, without the float step) and every row's activations, quantised per group to int8
+ * (spec.quantize_activations), are dotted with them: y = Σ_g s·xs_g·(Σ q·xq − z·Σ xq).
+ *
+ * Vocabulary: I8_ROWS (activation rows a pass), i_from_f (float → int32, half to even), i_mul (int32 low product),
+ * plane_rows(plane, rv) (row vector rv of a plane in row order, byte 4r + p),
+ * i8_tile_dots(acc[RV], codes[RV][2][4], a): acc[rv] lane r += Σ_{h,j,p} codes[rv][h][j] byte 4r + p · a[4(4h + j) + p],
+ * and i8_store_tile(to, q[32/W]): a tile's 32 activations (int32, |·| ≤ 127) as int8, input 16h + 4p + j to byte
+ * 4(4h + j) + p. */
+
+/* q[rv][h][j], lane r: the codes of row rv·W + r's inputs 16h + 4p + j in byte p (p = 0..3). */
+static inline __attribute__((always_inline)) void tile_codes(const uint8_t *tile, const int bits, vi q[RV][2][4]) {
+    for (int rv = 0; rv < RV; rv++) {
+        vi nib[2][8];
+        for (int i = 0; i < bits; i++) {
+            const vi v = plane_rows(tile + i * LUT_TILE_BYTES, rv);
+            nib[0][i] = i_nibble(v, 0);
+            nib[1][i] = i_nibble(v, 1);
+        }
+        for (int j = 0; j < 4; j++) {
+            q[rv][0][j] = q[rv][1][j] = i_zero();
+            for (int i = 0; i < bits; i++) {
+                const vi table = i_table16(lut_repack_bytes[i][j]);
+                for (int h = 0; h < 2; h++) q[rv][h][j] = i_or(q[rv][h][j], i_lookup16(table, nib[h][i]));
+            }
+        }
+    }
+}
+
+/* `rows` activation rows (xq per row: k int8 in tile order, see int8_rows) against one group's unpacked tiles. */
+static inline __attribute__((always_inline)) void gemm_i8_group(const vi (*codes)[RV][2][4], const int tiles,
+                                                                const int8_t *xq, int k, int kt0, vi acc[][RV],
+                                                                const int rows) {
+    for (int r = 0; r < rows; r++)
+        for (int rv = 0; rv < RV; rv++) acc[r][rv] = i_zero();
+    for (int t = 0; t < tiles; t++)
+        for (int r = 0; r < rows; r++) i8_tile_dots(acc[r], codes[t], xq + (size_t)r * k + (size_t)(kt0 + t) * LUT_TILE_K);
+}
+
+/* Row block rb against m activation rows into out [m][16]: each group's tiles unpacked once, then dotted with
+ * every row's activations, I8_ROWS rows a pass. */
+static inline __attribute__((always_inline)) void gemm_i8_block(const lut_weight *w, const int8_t *xq, const float *xs,
+                                                                const int32_t *xsum, int m, int rb, float *out,
+                                                                const int bits, const int tiles) {
+    const int groups = lut_groups(w), k = w->k;
+    for (int r = 0; r < m; r++)
+        for (int rv = 0; rv < RV; rv++) f_store(out + (size_t)r * LUT_ROWS + rv * W, f_zero());
+    for (int g = 0; g < groups; g++) {
+        vi codes[4][RV][2][4];
+        for (int t = 0; t < tiles; t++) {
+            const uint8_t *tile = lut_tile(w, rb, g * tiles + t);
+            for (int i = 0; i < bits; i++) lut_prefetch_line(tile + i * LUT_TILE_BYTES);
+            tile_codes(tile, bits, codes[t]);
+        }
+        const size_t at = lut_block_param(w, rb, g);
+        vf s[RV];
+        vi z[RV];
+        for (int rv = 0; rv < RV; rv++) {
+            s[rv] = f_half(w->scales + at + rv * W);
+            z[rv] = w->zeros ? i_u8(w->zeros + at + rv * W) : i_set1(1 << (bits - 1));
+        }
+        for (int r0 = 0; r0 < m; r0 += I8_ROWS) {
+            const int rows = m - r0 < I8_ROWS ? m - r0 : I8_ROWS;
+            vi acc[I8_ROWS][RV];
+            const int8_t *a = xq + (size_t)r0 * k;
+#define I8_GROUP(n) gemm_i8_group(codes, tiles, a, k, g * tiles, acc, n)
+            switch (rows) { /* (a compile-time row count keeps the accumulators in registers) */
+            case 1: I8_GROUP(1); break;
+            case 2: I8_GROUP(2); break;
+            case 3: I8_GROUP(3); break;
+#if I8_ROWS > 4
+            case 4: I8_GROUP(4); break;
+            case 5: I8_GROUP(5); break;
+            case 6: I8_GROUP(6); break;
+            case 7: I8_GROUP(7); break;
+#endif
+            default: I8_GROUP(I8_ROWS); break;
+            }
+#undef I8_GROUP
+            for (int r = 0; r < rows; r++) {
+                const size_t row = (size_t)(r0 + r) * groups + g;
+                const vf row_scale = f_set1(xs[row]);
+                const vi row_sum = i_set1(xsum[row]);
+                float *o = out + (size_t)(r0 + r) * LUT_ROWS;
+                for (int rv = 0; rv < RV; rv++) {
+                    const vi total = i_sub(acc[r][rv], i_mul(z[rv], row_sum));
+                    f_store(o + rv * W, f_fmadd(f_mul(s[rv], row_scale), f_from_i(total), f_load(o + rv * W)));
+                }
+            }
+        }
+    }
+}
+
+void ISA(gemm_i8)(const lut_weight *w, const int8_t *xq, const float *xs, const int32_t *xsum, int m, int rb0, int rb1,
+                  float *y, int ldy) {
+    float *out = malloc(sizeof(float) * LUT_ROWS * (size_t)m); /* one row block's outputs, every row */
+    if (!out) return; /* (the caller's allocations are far larger: it would have failed first) */
+    for (int rb = rb0; rb < rb1; rb++) {
+#define BLOCK(b, t) gemm_i8_block(w, xq, xs, xsum, m, rb, out, b, t)
+        const int tiles = w->group / LUT_TILE_K;
+        if (w->bits == 3)
+            tiles == 1 ? BLOCK(3, 1) : tiles == 2 ? BLOCK(3, 2) : BLOCK(3, 4);
+        else
+            tiles == 1 ? BLOCK(4, 1) : tiles == 2 ? BLOCK(4, 2) : BLOCK(4, 4);
+#undef BLOCK
+        for (int r = 0; r < m; r++) memcpy(y + (size_t)r * ldy + (size_t)rb * LUT_ROWS, out + (size_t)r * LUT_ROWS,
+                                           sizeof(float) * LUT_ROWS);
+    }
+    free(out);
+}
+
+/* x [m][k] quantised per group (spec.quantize_activations: 127 / max|x|, half to even) into xq in the order
+ * i8_tile_dots reads it: per 32-input tile, input 16h + 4p + j at byte 4(4h + j) + p; with each group's scale xs
+ * and Σ xq. */
+void ISA(int8_rows)(const float *x, int m, int k, int group, int8_t *xq, float *xs, int32_t *xsum) {
+    const int groups = k / group;
+    for (int i = 0; i < m; i++)
+        for (int g = 0; g < groups; g++) {
+            const float *v = x + (size_t)i * k + (size_t)g * group;
+            vf top = f_zero();
+            for (int c = 0; c < group; c += W) top = f_max(top, f_abs(f_load(v + c)));
+            const float amax = f_reduce_max(top);
+            const vf inv = f_set1(amax > 0.0f ? 127.0f / amax : 0.0f);
+            vi sums = i_zero();
+            for (int c = 0; c < group; c += LUT_TILE_K) {
+                vi q[LUT_TILE_K / W];
+                for (int e = 0; e < LUT_TILE_K / W; e++) {
+                    q[e] = i_from_f(f_mul(f_load(v + c + e * W), inv));
+                    sums = i_add(sums, q[e]);
+                }
+                i8_store_tile(xq + (size_t)i * k + (size_t)g * group + c, q);
+            }
+            int32_t lanes[W], sum = 0;
+            i_store(lanes, sums);
+            for (int r = 0; r < W; r++) sum += lanes[r];
+            xs[(size_t)i * groups + g] = amax / 127.0f;
+            xsum[(size_t)i * groups + g] = sum;
+        }
+}
+#endif

@@ -199,9 +199,11 @@ def test_cli_build_generate_and_trace(model, htp_plan, reference, tmp_path, caps
 
 
 def unused_graphs(manifest: dict, launches: list) -> set:
-    """Expert groups that no routed token reached in this short run (launched only when non-empty)."""
+    """Expert groups that no routed token reached in this short run (launched only when non-empty), and the
+    chunk-wide LM heads: generating takes the prompt's last position through the one-row head (forward() uses them)."""
     ran = {e["name"] for e in launches}
-    return {n for n, g in manifest["graphs"].items() if g["kind"] == "experts" and n not in ran}
+    return {n for n, g in manifest["graphs"].items()
+            if (g["kind"] == "experts" and n not in ran) or (g["kind"] == "lm_head" and not n.endswith(".s1"))}
 
 
 def cli(argv):

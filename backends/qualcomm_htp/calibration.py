@@ -79,7 +79,8 @@ def capture(model, plan, max_context: int, names: list[str], text: str | None = 
     for name in {*names, *attention}:
         engine.executors[name] = recording(name, engine.executors[name])
     engine.generate(np.asarray(windows[0]), max_new_tokens=DECODE_STEPS)
-    for window in windows[1:]:
+    # generating runs the LM head on the prompt's last row only: the chunk-wide heads see a prompt through forward()
+    for window in windows[1:] or windows[:1]:
         engine.forward(np.asarray(window))
     for name in names:
         graph = program.graphs[name]

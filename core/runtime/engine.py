@@ -257,7 +257,8 @@ class Engine:
             )
 
     def _prefill(self, ids: torch.Tensor, keep: str = "all") -> torch.Tensor | None:
-        """Logits of ``keep``: "all" positions, the "last" chunk's, or "none" (the LM head is skipped)."""
+        """Logits of ``keep``: "all" positions, the "last" one's (what generating needs), or "none" (the LM head
+        is skipped)."""
         with self._prompt_threads():
             return self._prefill_chunks(ids, keep)
 
@@ -276,7 +277,7 @@ class Engine:
             valid = len(piece)
             padded = torch.cat([piece, piece.new_zeros(chunk - valid)]) if valid < chunk else piece
             wanted = keep == "all" or (keep == "last" and start + chunk >= len(ids))
-            logits = self._step(padded, valid, lm_head=wanted)
+            logits = self._step(padded, valid, head=keep if wanted else "none")
             if wanted:
                 rows.append(logits[:valid])
         return torch.cat(rows) if rows else None
@@ -312,11 +313,12 @@ class Engine:
             return self.cache.capacity
         return min(self.cache.capacity, -(-max(start, 1) // CACHE_BUCKET) * CACHE_BUCKET)
 
-    def _step(self, ids: torch.Tensor, valid: int, lm_head: bool = True) -> torch.Tensor | None:
-        """One static-shape pass over ``len(ids)`` positions, the first ``valid`` real; their logits
-        unless ``lm_head`` is off."""
+    def _step(self, ids: torch.Tensor, valid: int, head: str = "all") -> torch.Tensor | None:
+        """One static-shape pass over ``len(ids)`` positions, the first ``valid`` real; the logits of ``head``:
+        "all" of them, the "last" real one's, or "none"."""
         start = self.cache.length
-        if valid == ids.shape[0] == 1 and lm_head and (logits := self._fused_step(int(ids[0]), start)) is not None:
+        if valid == ids.shape[0] == 1 and head != "none" and (logits := self._fused_step(int(ids[0]), start)) \
+                is not None:
             self.cache.length += valid
             return logits
         x = self._embed(ids, valid)
@@ -326,7 +328,7 @@ class Engine:
             y = self._feed_forward(i, z, h - x, valid)
             x = self._residual(i, x, h, y, valid)
         self.cache.length += valid
-        return self._lm_head(x, valid) if lm_head else None
+        return None if head == "none" else self._lm_head(x, valid) if head == "all" else self._last_logits(x, valid)
 
     def _prefill_buffered(self, ids: torch.Tensor, keep: str) -> torch.Tensor | None:
         """A multi-chunk prompt layer by layer: every chunk's attention, then the layer's MoE on all of the
@@ -356,8 +358,9 @@ class Engine:
                         ys = [y + self._run(step.moe.shared[chunk], {"z": z})["y"] for y, (_, z) in zip(ys, hz)]
             xs = [self._residual(i, x, h, y, v) for x, (h, _), y, v in zip(xs, hz, ys, valid)]
         self.cache.length = len(ids)
-        wanted = range(len(xs)) if keep == "all" else range(len(xs) - 1, len(xs)) if keep == "last" else ()
-        rows = [self._lm_head(xs[c], valid[c])[:valid[c]] for c in wanted]
+        if keep == "last":
+            return self._last_logits(xs[-1], valid[-1])
+        rows = [self._lm_head(x, v)[:v] for x, v in zip(xs, valid)] if keep == "all" else []
         return torch.cat(rows) if rows else None
 
     def _embed(self, ids: torch.Tensor, valid: int) -> torch.Tensor:
@@ -487,6 +490,13 @@ class Engine:
             self._check_finite(h, valid, x.shape[0], "attention", i)
             self._check_finite(out, valid, x.shape[0], "ffn", i)
         return out
+
+    def _last_logits(self, x: torch.Tensor, valid: int) -> torch.Tensor:
+        """Logits [1, vocab] of the last real position, through the one-row head where the program has it, as
+        decode runs it: a prompt's other positions need none (llama.cpp computes the same one)."""
+        if 1 in self.program.lm_head:
+            return self._lm_head(x[valid - 1:valid], 1)
+        return self._lm_head(x, valid)[valid - 1:valid]
 
     def _lm_head(self, x: torch.Tensor, valid: int) -> torch.Tensor:
         with self.metrics_.time("lm_head"):

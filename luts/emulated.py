@@ -23,7 +23,7 @@ from npumoe.luts.kernels import LutKernels
 ARCH = {"neon": "aarch64"}
 QEMU = {"aarch64": "qemu-aarch64-static"}
 PACKAGES = {"aarch64": ("gcc-aarch64-linux-gnu", "qemu-user-static")}
-OPS = {"tables": 1, "gemv": 2, "dequantize": 3, "gemm": 4, "bf16_gemv": 5}
+OPS = {"tables": 1, "gemv": 2, "dequantize": 3, "gemm": 4, "bf16_gemv": 5, "bf16_gemm": 6}
 
 
 def missing(isa: str) -> str | None:
@@ -90,3 +90,6 @@ class EmulatedCalls:
 
     def bf16_gemv(self, w, x, y, threads):
         self._run("bf16_gemv", (x.shape[0], w.shape[0], w.shape[1], 0, 0, 0, 0), [x, w], [y])
+
+    def bf16_gemm(self, w, x, y, threads):
+        self._run("bf16_gemm", (x.shape[0], w.shape[0], w.shape[1], 0, 0, 0, 0), [x, w], [y])

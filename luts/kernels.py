@@ -98,6 +98,7 @@ _SIGNATURES = {
     "npumoe_bf16_gemv": ([_P, _P, _I, _I, _I, _P, _I], ctypes.c_int),
     "npumoe_bf16_gemv_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
     "npumoe_bf16_dot_available": ([], ctypes.c_int),
+    "npumoe_bf16_gemm": ([_P, _P, _I, _I, _I, _P, _I], ctypes.c_int),
     "npumoe_bf16_dot_gemm_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
     "npumoe_lut_gemv_many": ([ctypes.POINTER(LutTask), _I, _I, _I], ctypes.c_int),
     "npumoe_swiglu_experts": ([ctypes.POINTER(ctypes.POINTER(Swiglu)), _P, _I, _P, _P, _I], ctypes.c_int),
@@ -273,6 +274,18 @@ class NativeCalls:
         if self.lib.npumoe_bf16_gemv_many(batch, len(tasks), threads):
             raise MemoryError("the bf16 GEMV could not allocate its split activations")
 
+    def bf16_gemm(self, w, x, y, threads):
+        self.bf16_gemm_at(_ptr(w), _ptr(x), x.shape[0], *w.shape, _ptr(y), threads)
+
+    def bf16_gemm_at(self, w: int, x: int, m: int, n: int, k: int, y: int, threads: int) -> None:
+        """The bf16 GEMM (exact fp32 on the widened weights; SIMD builds, K a multiple of 16) on raw addresses, as
+        :meth:`bf16_gemv_at`."""
+        status = self.lib.npumoe_bf16_gemm(w, x, m, n, k, y, threads)
+        if status == -2:
+            raise BackendUnavailableError("the bf16 GEMM needs a SIMD build of the kernels (this one is portable C).")
+        if status:
+            raise MemoryError("the bf16 GEMM could not allocate its transposed activations")
+
     @functools.cached_property
     def bf16_dot(self) -> bool:
         """Does this CPU run :meth:`bf16_dot_gemm_many_at` (x86-64 with AVX-512 BF16)?"""
@@ -405,6 +418,19 @@ class LutKernels:
         x = _activations(x, k).reshape(-1, k)
         y = _output(out, (x.shape[0], n))
         self.calls.bf16_gemv(w, x, y, threads or default_threads())
+        return y
+
+    def bf16_gemm(self, w: np.ndarray, x: np.ndarray, threads: int | None = None) -> np.ndarray:
+        """y [M, N] = x [M, K] Wᵀ in exact fp32 arithmetic on the widened weights (torch's F.linear on W.float(),
+        to summation order), W as for :meth:`bf16_gemv`, K a multiple of 16: a bf16 prompt's GEMM where the CPU
+        has no bf16 dot products."""
+        _check_bf16_weight(w)
+        n, k = w.shape
+        if k % 16:
+            raise InputError(f"the bf16 GEMM takes K in multiples of 16, got {k}.")
+        x = _activations(x, k).reshape(-1, k)
+        y = np.empty((x.shape[0], n), np.float32)
+        self.calls.bf16_gemm(w, x, y, threads or default_threads())
         return y
 
     def bf16_dot_gemm(self, w: np.ndarray, x: np.ndarray, threads: int | None = None) -> np.ndarray:

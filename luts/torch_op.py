@@ -89,8 +89,13 @@ def torch_threads_back() -> Iterator[None]:
 
 
 def bf16_dot_available() -> bool:
-    """Do the kernels take a bf16 model's prompt products themselves (the dot-product GEMM)?"""
+    """Does this build run the dot-product GEMM (AVX-512 BF16)?"""
     return bool(getattr(_kernels().calls, "bf16_dot", False))
+
+
+def kernels_take_bf16_prompts() -> bool:
+    """Do the kernels take a bf16 model's prompt products themselves (the dot-product or the widening GEMM)?"""
+    return bf16_dot_available() or _kernels().isa in BF16_GEMM_FROM
 
 
 def _tiled(tiles, scales, zeros, bits: int, group: int, out_features: int, in_features: int) -> layout.TiledWeight:
@@ -144,6 +149,16 @@ def uses_int8(rows: int, bits: int) -> bool:
 BF16_GEMV_MAX_ROWS = {"avx512": 128, "avx2": 16, "neon": 16, "portable": 16}
 
 
+# Rows from which a bf16 matrix takes the bf16 GEMM (kernels.bf16_gemm: each weight widened once a call, exact fp32
+# arithmetic) where the CPU has no bf16 dot products, K a multiple of 16. Measured on a quiet 2-core AMD EPYC
+# (768x2048, 2048x768, 4096x2048, 512x2048; 2 threads; GEMM time / GEMV time): AVX2 0.59-0.85 at 16 rows, 0.76-1.10
+# at 12, 1.08-1.65 at 8; the AVX-512 build (as on a CPU without AVX-512 BF16) 0.74-1.13 at 48-128 rows, 0.81-1.12 at
+# 32, 0.90-1.14 at 16. Against widening the matrix for
+# torch's fp32 GEMM (the path past the GEMV's rows before), 256 rows: 3.5 / 18 ms where torch took 3.6-3.9 / 27-29.
+# NEON keeps AVX2's rule (not measured).
+BF16_GEMM_FROM = {"avx512": 48, "avx2": 16, "neon": 16}
+
+
 # Rows from which a bf16 matrix takes the dot-product GEMM (AVX-512 BF16, spec.bf16_dot_gemm) on activations
 # rounded to bf16, as torch's bf16 matmul and llama.cpp's F16 path (to fp16) round them: two products per lane
 # and instruction where widening the weights to fp32 makes one, so a prompt runs 2-3x faster (2 Zen 4 threads,
@@ -163,15 +178,17 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     rows = x.numel() // k
     calls = _kernels().calls
     if not hasattr(calls, "bf16_gemv_at"):  # emulated kernels (another ISA under qemu): through arrays
-        y = _kernels().bf16_gemv(w.detach().view(torch.int16).numpy(), x.detach().reshape(rows, k).contiguous().numpy(),
-                                 kernel_threads())
+        product = _kernels().bf16_gemm if path == "gemm" else _kernels().bf16_gemv
+        y = product(w.detach().view(torch.int16).numpy(), x.detach().reshape(rows, k).contiguous().numpy(),
+                    kernel_threads())
         return torch.from_numpy(y).reshape(*x.shape[:-1], w.shape[0])
     x = x.contiguous()  # addresses, not arrays: a numpy view of each tensor costs more than a 4 MB GEMV's tenth
     y = torch.empty(*x.shape[:-1], w.shape[0])
     if path == "dot":
         calls.bf16_dot_gemm_many_at([(w.data_ptr(), x.data_ptr(), y.data_ptr(), rows, *w.shape)], kernel_threads())
     else:
-        calls.bf16_gemv_at(w.data_ptr(), x.data_ptr(), rows, w.shape[0], k, y.data_ptr(), kernel_threads())
+        run = calls.bf16_gemm_at if path == "gemm" else calls.bf16_gemv_at
+        run(w.data_ptr(), x.data_ptr(), rows, w.shape[0], k, y.data_ptr(), kernel_threads())
     return y
 
 
@@ -190,6 +207,10 @@ def bf16_linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor]) -> list[tor
                  for x, w, y, p in zip(xs, ws, ys, paths) if p == path]
         if tasks:
             run(tasks, kernel_threads())
+    for x, w, y, path in zip(xs, ws, ys, paths):  # (one call each: each fills both threads on its own)
+        if path == "gemm":
+            calls.bf16_gemm_at(w.data_ptr(), x.data_ptr(), x.numel() // x.shape[-1], *w.shape, y.data_ptr(),
+                               kernel_threads())
     return ys
 
 
@@ -213,8 +234,9 @@ def lut_linear_many(xs: list[torch.Tensor], linears: list[LutLinear]) -> list[to
 
 def _bf16_path(x: torch.Tensor, w: torch.Tensor) -> str | None:
     """Which bf16 kernel takes x · Wᵀ: "dot" (the dot-product GEMM, from BF16_DOT_FROM rows where the CPU has
-    it and K is a multiple of 32), "gemv" (up to BF16_GEMV_MAX_ROWS[isa] rows), or None; fp32 activations, a
-    C-contiguous bf16 W, outside any tracer."""
+    it and K is a multiple of 32), else "gemm" (the widening GEMM, from BF16_GEMM_FROM[isa] rows on SIMD builds, K
+    a multiple of 16), "gemv" (up to BF16_GEMV_MAX_ROWS[isa] rows), or None; fp32 activations, a C-contiguous bf16
+    W, outside any tracer."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if not (rows and x.dtype == torch.float32 and w.dtype == torch.bfloat16 and w.is_contiguous()
@@ -222,7 +244,10 @@ def _bf16_path(x: torch.Tensor, w: torch.Tensor) -> str | None:
         return None
     if rows >= BF16_DOT_FROM and k % 32 == 0 and bf16_dot_available():
         return "dot"
-    return "gemv" if rows <= BF16_GEMV_MAX_ROWS[_kernels().isa] else None
+    isa = _kernels().isa
+    if rows >= BF16_GEMM_FROM.get(isa, 1 << 30) and k % 16 == 0:
+        return "gemm"
+    return "gemv" if rows <= BF16_GEMV_MAX_ROWS[isa] else None
 
 
 @torch.library.custom_op("npumoe::lut_linear", mutates_args=())

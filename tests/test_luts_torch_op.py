@@ -98,8 +98,8 @@ def without_bf16_dot(monkeypatch):
 def test_bf16_linear_takes_the_path_its_rows_call_for(rows, dot, monkeypatch):
     """The CPU executor's linear on a bf16 matrix: the exact GEMV for few rows; from BF16_DOT_FROM rows the
     dot-product GEMM on bf16-rounded activations where the CPU has it (spec.bf16_dot_gemm is the truth), else
-    the GEMV up to its row limit and torch's fp32 GEMM on the widened weights past it (torch's F.linear on
-    w.float() is the truth)."""
+    the widening GEMM from its rows on SIMD builds, the GEMV up to its row limit and torch's fp32 GEMM on the
+    widened weights past both (torch's F.linear on w.float() is the truth of these three)."""
     from npumoe.core.interpreter import OP_IMPLS
     from npumoe.luts.torch_op import BF16_GEMV_MAX_ROWS, _kernels, bf16_linear
 
@@ -108,8 +108,10 @@ def test_bf16_linear_takes_the_path_its_rows_call_for(rows, dot, monkeypatch):
     torch.manual_seed(rows)
     w, x, b = torch.randn(70, 96).to(torch.bfloat16), torch.randn(rows, 96), torch.randn(70)
     path = torch_op._bf16_path(x, w)
+    isa = _kernels().isa
     assert path == ("dot" if dot and BF16_DOT and rows >= torch_op.BF16_DOT_FROM
-                    else "gemv" if rows <= BF16_GEMV_MAX_ROWS[_kernels().isa] else None)
+                    else "gemm" if rows >= torch_op.BF16_GEMM_FROM.get(isa, 1 << 30)
+                    else "gemv" if rows <= BF16_GEMV_MAX_ROWS[isa] else None)
     torch.testing.assert_close(OP_IMPLS["linear"](x, w, b), bf16_truth(x, w, b), rtol=0, atol=1e-4)
     assert (bf16_linear(x, w) is None) == (path is None)
     if path == "dot":  # the activations' rounding shows: further from the widened fp32 product than the GEMV
@@ -117,8 +119,8 @@ def test_bf16_linear_takes_the_path_its_rows_call_for(rows, dot, monkeypatch):
     assert bf16_linear(x, w.T.contiguous().T) is None  # strided: torch's path
 
 
-@pytest.mark.skipif(not BF16_DOT, reason="the bf16 dot-product GEMM needs AVX-512 BF16, which this CPU lacks and "
-                    "no emulator here runs")
+@pytest.mark.skipif(not BF16_DOT, reason="the bf16 dot-product GEMM runs on the AVX-512 build of a CPU with AVX-512 "
+                    "BF16, which this run lacks or does not use (NPUMOE_LUT_KERNEL), and no emulator here runs it")
 @pytest.mark.parametrize("rows, outputs, inputs", [(8, 6, 32), (9, 7, 64), (65, 13, 96), (200, 70, 2048)])
 def test_bf16_dot_gemm_matches_the_spec(rows, outputs, inputs):
     """Row tails (not a multiple of 4 activation or 6 weight rows) and more than one 64-row activation tile; to
@@ -141,10 +143,12 @@ def test_bf16_round_is_torchs_rounding():
 
 
 @pytest.mark.parametrize("rows, outputs, inputs", [(5, 70, 96), (16, 1024, 256), (3, 37, 100), (128, 64, 2048)])
-def test_bf16_rows_computed_together_equal_each_row_alone(rows, outputs, inputs, without_bf16_dot):
+def test_bf16_rows_computed_together_equal_each_row_alone(rows, outputs, inputs, without_bf16_dot, monkeypatch):
     """A prefill's rows share each widened weight in the GEMV (AVX-512: two activation rows at a time); every
     output still sums the same products in the same order as a one-row call: bit for bit."""
     from npumoe.luts.torch_op import bf16_linear
+
+    monkeypatch.setattr(torch_op, "BF16_GEMM_FROM", {})  # the GEMV alone
 
     torch.manual_seed(rows)
     w, x = torch.randn(outputs, inputs).to(torch.bfloat16), torch.randn(rows, inputs)
@@ -156,21 +160,23 @@ def test_bf16_rows_computed_together_equal_each_row_alone(rows, outputs, inputs,
 
 @pytest.mark.parametrize("dot", [True, False], ids=["with-dot", "without-dot"])
 def test_bf16_linears_batched_in_one_call_equal_each_alone(dot, monkeypatch):
-    """Several (x, W) pairs of different shapes in one kernel call per path give what each call alone gives, bit
-    for bit, and their path's truth within float rounding; a pair the kernels cannot take comes back as None,
-    the others computed."""
+    """Several (x, W) pairs of different shapes in one kernel call per path (the widening GEMM: a call each) give
+    what each call alone gives, bit for bit, and their path's truth within float rounding; a pair the kernels
+    cannot take comes back as None, the others computed."""
     from npumoe.luts.torch_op import BF16_GEMV_MAX_ROWS, _kernels, bf16_linear, bf16_linear_many
 
     if not dot:
         monkeypatch.setattr(torch_op, "BF16_DOT_FROM", 1 << 30)
     torch.manual_seed(3)
-    shapes = [(1, 70, 96), (3, 1024, 64), (2, 5, 208), (16, 40, 32), (9, 30, 64)]  # rows, outputs, inputs
+    shapes = [(1, 70, 96), (3, 1024, 64), (2, 5, 208), (16, 40, 32), (9, 30, 64), (50, 20, 48)]  # rows, out, in
     xs = [torch.randn(m, k) for m, _, k in shapes]
     ws = [torch.randn(n, k).to(torch.bfloat16) for _, n, k in shapes]
     batched = bf16_linear_many(xs, ws)
     for x, w, y in zip(xs, ws, batched):
-        assert torch.equal(y, bf16_linear(x, w))
-        torch.testing.assert_close(y, bf16_truth(x, w), rtol=0, atol=1e-4)
+        assert (y is None) == (torch_op._bf16_path(x, w) is None)  # (50 rows: no GEMV or GEMM on portable builds)
+        if y is not None:
+            assert torch.equal(y, bf16_linear(x, w))
+            torch.testing.assert_close(y, bf16_truth(x, w), rtol=0, atol=1e-4)
     *computed, fp32 = bf16_linear_many(xs, [*ws[:-1], ws[-1].float()])
     assert fp32 is None and all(torch.equal(y, b) for y, b in zip(computed, batched))
     too_many = torch.randn(BF16_GEMV_MAX_ROWS[_kernels().isa] + 1, 31)  # more rows than the GEMV takes, K odd

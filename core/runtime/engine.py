@@ -31,7 +31,7 @@ from npumoe.core.spec import MoESpec
 from npumoe.core.weights import compute_bytes
 from npumoe.errors import InputError, NumericError
 from npumoe.luts.decode import AttentionBlock, DecodeStep
-from npumoe.luts.torch_op import bf16_dot_available, torch_on_one_thread
+from npumoe.luts.torch_op import kernels_take_bf16_prompts, torch_on_one_thread
 
 DEFAULT_CHUNK = 64
 DEFAULT_MAX_CONTEXT = 512
@@ -263,9 +263,10 @@ class Engine:
             return self._prefill_chunks(ids, keep)
 
     def _prompt_threads(self):
-        """Where the kernels take a prompt's matrix products too (bf16 matrices on the dot-product GEMM), torch
-        keeps one thread but for the attention (torch_threads_back), as in decode; otherwise all its threads."""
-        kernels_take = self.model.weights.dtype == torch.bfloat16 and bf16_dot_available()
+        """Where the kernels take a prompt's matrix products too (bf16 matrices on the dot-product or the widening
+        GEMM), torch keeps one thread but for the attention (torch_threads_back), as in decode; otherwise all its
+        threads."""
+        kernels_take = self.model.weights.dtype == torch.bfloat16 and kernels_take_bf16_prompts()
         return torch_on_one_thread() if kernels_take else contextlib.nullcontext()
 
     def _prefill_chunks(self, ids: torch.Tensor, keep: str) -> torch.Tensor | None:

@@ -1,6 +1,7 @@
 /* The exported entry points (loaded with ctypes by luts/kernels.py) and the choice of
  * kernels for the instruction set this library was compiled for.
  */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -18,19 +19,21 @@ typedef struct {
     int gemv_mr; /* the activation rows gemv8_multi takes at once */
     void (*gemm_i8)(const lut_weight *, const int8_t *, const float *, const int32_t *, int, int, int, float *, int);
     void (*int8_rows)(const float *, int, int, int, int8_t *, float *, int32_t *); /* its activations */
+    void (*bf16_gemm)(const uint16_t *, int, int, const float *, int, int, int, float *, float *); /* or NULL */
 } lut_isa;
 
 static const lut_isa ISA =
 #if defined(NPUMOE_ISA_AVX512)
     {"avx512", tables_avx512, gemv_avx512, dequant_tile_avx512, gemm_avx512, AVX512_MR, gemv_multi_avx512,
-     AVX512_GEMV_MR, gemm_i8_avx512, int8_rows_avx512};
+     AVX512_GEMV_MR, gemm_i8_avx512, int8_rows_avx512, bf16_gemm_avx512};
 #elif defined(NPUMOE_ISA_AVX2)
     {"avx2", tables_avx2, gemv_avx2, dequant_tile_avx2, gemm_avx2, AVX2_MR, gemv_multi_avx2, AVX2_GEMV_MR, gemm_i8_avx2,
-     int8_rows_avx2};
+     int8_rows_avx2, bf16_gemm_avx2};
 #elif defined(NPUMOE_ISA_NEON)
-    {"neon", tables_neon, gemv_neon, dequant_tile_neon, gemm_neon, NEON_MR, gemv_multi_neon, NEON_GEMV_MR, NULL, NULL};
+    {"neon", tables_neon, gemv_neon, dequant_tile_neon, gemm_neon, NEON_MR, gemv_multi_neon, NEON_GEMV_MR, NULL, NULL,
+     bf16_gemm_neon};
 #else
-    {"portable", tables_portable, gemv_portable, dequant_tile_portable, gemm_portable, 1, NULL, 1, NULL, NULL};
+    {"portable", tables_portable, gemv_portable, dequant_tile_portable, gemm_portable, 1, NULL, 1, NULL, NULL, NULL};
 #endif
 
 NPUMOE_API const char *npumoe_lut_isa(void) { return ISA.name; }
@@ -271,6 +274,41 @@ NPUMOE_API int npumoe_lut_gemm(const lut_weight *w, const float *x, int m, float
     lut_parallel(gemm_range, &job, w->row_blocks, threads, 1);
     free(xt);
     return 0;
+}
+
+typedef struct {
+    const uint16_t *w;
+    const float *xtb;
+    int n, k, m;
+    float *y;
+    atomic_int failed; /* a range could not allocate its scratch */
+} bf16_gemm_job;
+
+static void bf16_gemm_range(void *ctx, int b0, int b1) {
+    bf16_gemm_job *job = ctx;
+    float *wide = malloc(sizeof(float) * BF16_GEMM_ROWS * job->k);
+    if (!wide) {
+        atomic_store(&job->failed, 1);
+        return;
+    }
+    ISA.bf16_gemm(job->w, job->n, job->k, job->xtb, job->m, b0, b1, job->y, wide);
+    free(wide);
+}
+
+/* y [m][n] = x [m][k] · Wᵀ for W [n][k] bf16, k a multiple of 16: exact fp32 arithmetic on the widened weights (a
+ * bf16 prompt where the CPU has no bf16 dot products). Returns -2 where this build has no such kernel, -1 if it
+ * cannot allocate. */
+NPUMOE_API int npumoe_bf16_gemm(const uint16_t *w, const float *x, int m, int n, int k, float *y, int threads) {
+    if (!ISA.bf16_gemm || k % 16) return -2;
+    const int blocks = (m + 15) / 16;
+    float *xtb = calloc((size_t)blocks * 16 * k, sizeof(float)); /* x transposed in blocks of 16 rows */
+    if (!xtb) return -1;
+    for (int i = 0; i < m; i++)
+        for (int kk = 0; kk < k; kk++) xtb[((size_t)(i / 16) * k + kk) * 16 + i % 16] = x[(size_t)i * k + kk];
+    bf16_gemm_job job = {w, xtb, n, k, m, y, 0};
+    lut_parallel(bf16_gemm_range, &job, (n + BF16_GEMM_ROWS - 1) / BF16_GEMM_ROWS, threads, 1);
+    free(xtb);
+    return atomic_load(&job.failed) ? -1 : 0;
 }
 
 typedef struct {

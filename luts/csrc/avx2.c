@@ -32,6 +32,7 @@ typedef __m256i vi;
 #define f_xor _mm256_xor_ps
 #define f_from_i _mm256_cvtepi32_ps
 #define f_half(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define f_bf16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define i_zero _mm256_setzero_si256
 #define i_load(p) _mm256_loadu_si256((const __m256i *)(p))
 #define i_u8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))

@@ -7,15 +7,15 @@
  * do. Products of two bf16 values are exact in fp32; sums are fp32 (spec.bf16_dot_gemm is the contract, to
  * fp32 summation order). Decode stays on bf16.c's exact GEMV: one row is bound by reading the weights.
  *
- * Compiled into every build; only an x86-64 CPU with AVX-512 BF16 runs it (the function carries its own
- * target, so the AVX-512 build still loads on CPUs without BF16, such as Ice Lake).
+ * Run by the AVX-512 build on an x86-64 CPU with AVX-512 BF16 (the function carries its own target, so the build
+ * still loads on CPUs without BF16, such as Ice Lake, which take the widening GEMM of simd_kernels.h instead).
  */
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "lut.h"
 
-#if defined(__x86_64__) && ((defined(__GNUC__) && __GNUC__ >= 10) || (defined(__clang__) && __clang_major__ >= 9))
+#if defined(NPUMOE_ISA_AVX512) && ((defined(__GNUC__) && __GNUC__ >= 10) || (defined(__clang__) && __clang_major__ >= 9))
 #define HAVE_BF16_DOT 1
 #include <immintrin.h>
 #endif
@@ -89,6 +89,8 @@ static void dot_range(void *ctx, int b0, int b1) {
 }
 #endif
 
+/* The AVX-512 build's, on a CPU with AVX-512 BF16: a build forced to AVX2 stands for an AVX2 machine (which
+ * takes simd_kernels.h's widening bf16 GEMM instead), so that every path can be run here. */
 NPUMOE_API int npumoe_bf16_dot_available(void) {
 #ifdef HAVE_BF16_DOT
     __builtin_cpu_init();

@@ -9,6 +9,7 @@
  *             op 3 dequant: weight                    -> w[NB*16][k] f32
  *             op 4 gemm:    x[m][k] f32, weight       -> y[m][NB*16] f32
  *             op 5 bf16:    x[m][k] f32, w[NB][k] bf16 -> y[m][NB] f32   (NB: rows, not blocks, here)
+ *             op 6 bf16 GEMM: as op 5
  *   weight:   tiles[NB][k/32][bits][64] u8, scales[NB][G][16] f16, zeros[NB][G][16] u8 if has_zeros
  */
 #include <stdio.h>
@@ -22,6 +23,7 @@ int npumoe_lut_gemv(const lut_weight *, const float *, int, int, float *, int32_
 void npumoe_lut_dequant(const lut_weight *, float *, int);
 int npumoe_lut_gemm(const lut_weight *, const float *, int, float *, int);
 int npumoe_bf16_gemv(const uint16_t *, const float *, int, int, int, float *, int);
+int npumoe_bf16_gemm(const uint16_t *, const float *, int, int, int, float *, int);
 
 static void *take(FILE *f, size_t bytes) {
     void *p = malloc(bytes ? bytes : 1);
@@ -83,10 +85,10 @@ int main(int argc, char **argv) {
         float *y = malloc(sizeof(float) * m * rows);
         if (npumoe_lut_gemm(&w, x, m, y, threads)) return 1;
         give(out, y, sizeof(float) * m * rows);
-    } else if (op == 5) {
+    } else if (op == 5 || op == 6) {
         uint16_t *bf16 = take(in, sizeof(uint16_t) * nb * k);
         float *y = malloc(sizeof(float) * m * nb);
-        if (npumoe_bf16_gemv(bf16, x, m, nb, k, y, threads)) return 1;
+        if ((op == 5 ? npumoe_bf16_gemv : npumoe_bf16_gemm)(bf16, x, m, nb, k, y, threads)) return 1;
         give(out, y, sizeof(float) * m * nb);
     } else {
         fprintf(stderr, "driver: unknown op %d\n", op);

@@ -35,6 +35,7 @@ typedef int32x4_t vi;
 #define f_reduce_max vmaxvq_f32
 #define f_from_i vcvtq_f32_s32
 #define f_half(p) vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)(p))))
+#define f_bf16(p) vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t *)(p)), 16))
 #define i_zero() vdupq_n_s32(0)
 #define i_load(p) S32(vld1q_u8((const uint8_t *)(p)))
 #define i_add vaddq_s32

@@ -7,7 +7,7 @@
  *   ISA(name)                     name##_<isa>
  *   vf, vi                        float and integer vectors
  *   f_zero f_set1 f_load f_store f_add f_sub f_mul f_fmadd(a,b,c)=a·b+c f_max f_abs f_xor
- *   f_reduce_max f_from_i         (int32 → float) f_half(p) (W float16 → float)
+ *   f_reduce_max f_from_i         (int32 → float) f_half(p) (W float16 → float) f_bf16(p) (W bf16 → float)
  *   i_zero i_load(p) i_u8(p)      (W bytes → int32) i_add i_sub i_set1
  *   i_add_u8_times(a, p, c)       a + (W bytes at p) · c, for |c| < 2^15
  *   i_table16(p)                  a 16-byte table in every 128-bit lane
@@ -317,6 +317,47 @@ void ISA(gemm)(const lut_weight *w, const float *xt, int m_pad, int m, int rb0, 
             for (int m0 = 0; m0 < m_pad; m0 += GEMM_MR)
                 microkernel(xt + (size_t)k0 * m_pad + m0, m_pad, panel, kc, y + (size_t)m0 * ldy + rb * LUT_ROWS, ldy,
                             m - m0, k0 == 0, blocks * RV);
+        }
+    }
+}
+
+/* ---- bf16 GEMM: a bf16 model's prompt where the CPU has no bf16 dot products ----
+ *
+ * The weights take the broadcast side: BF16_GEMM_ROWS (6) rows widened once into fp32 scratch, each input a broadcast, times
+ * 16 activation rows from xᵀ blocks (xtb [m_pad/16][k][16], zero-padded), over the whole of K. So a weight is
+ * widened once a call, not once per activation pass, nothing is transposed but the activations (once, by the
+ * caller), and y = x · Wᵀ is exact fp32 arithmetic on the widened weights, in input order (torch's F.linear on
+ * W.float(), to summation order). */
+#define BF16_NV (16 / W)    /* vectors of activation rows a pass: 12 accumulators on AVX2, 24 on NEON */
+
+#define BF16_M_TILE 64 /* activation rows whose xᵀ blocks stay in L2 while a thread's weight blocks pass */
+
+void ISA(bf16_gemm)(const uint16_t *w, int n, int k, const float *xtb, int m, int b0, int b1, float *y, float *wide) {
+    for (int mt = 0; mt < m; mt += BF16_M_TILE)
+    for (int b = b0; b < b1; b++) {
+        const int r0 = b * BF16_GEMM_ROWS, rows = n - r0 < BF16_GEMM_ROWS ? n - r0 : BF16_GEMM_ROWS;
+        for (int j = 0; j < BF16_GEMM_ROWS; j++) { /* (a short last block repeats its last row) */
+            const uint16_t *src = w + (size_t)(r0 + (j < rows ? j : rows - 1)) * k;
+            for (int kk = 0; kk < k; kk += W) f_store(wide + (size_t)j * k + kk, f_bf16(src + kk));
+        }
+        for (int mb = mt; mb < m && mb < mt + BF16_M_TILE; mb += 16) {
+            const float *xb = xtb + (size_t)mb * k;
+            vf c[BF16_GEMM_ROWS][BF16_NV];
+            for (int j = 0; j < BF16_GEMM_ROWS; j++)
+                for (int v = 0; v < BF16_NV; v++) c[j][v] = f_zero();
+            for (int kk = 0; kk < k; kk++) {
+                vf x[BF16_NV];
+                for (int v = 0; v < BF16_NV; v++) x[v] = f_load(xb + (size_t)kk * 16 + v * W);
+                for (int j = 0; j < BF16_GEMM_ROWS; j++) {
+                    const vf a = f_set1(wide[(size_t)j * k + kk]);
+                    for (int v = 0; v < BF16_NV; v++) c[j][v] = f_fmadd(a, x[v], c[j][v]);
+                }
+            }
+            float tile[BF16_GEMM_ROWS][16]; /* then each activation row's outputs as one short run */
+            for (int j = 0; j < BF16_GEMM_ROWS; j++)
+                for (int v = 0; v < BF16_NV; v++) f_store(tile[j] + v * W, c[j][v]);
+            for (int i = 0; i < 16 && mb + i < m; i++)
+                for (int j = 0; j < rows; j++) y[(size_t)(mb + i) * n + r0 + j] = tile[j][i];
         }
     }
 }

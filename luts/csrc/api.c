@@ -1,7 +1,6 @@
 /* The exported entry points (loaded with ctypes by luts/kernels.py) and the choice of
  * kernels for the instruction set this library was compiled for.
  */
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -19,7 +18,7 @@ typedef struct {
     int gemv_mr; /* the activation rows gemv8_multi takes at once */
     void (*gemm_i8)(const lut_weight *, const int8_t *, const float *, const int32_t *, int, int, int, float *, int);
     void (*int8_rows)(const float *, int, int, int, int8_t *, float *, int32_t *); /* its activations */
-    void (*bf16_gemm)(const uint16_t *, int, int, const float *, int, int, int, float *, float *); /* or NULL */
+    void (*bf16_gemm)(const uint16_t *, int, int, const float *, int, int, int, float *); /* or NULL */
 } lut_isa;
 
 static const lut_isa ISA =
@@ -281,18 +280,11 @@ typedef struct {
     const float *xtb;
     int n, k, m;
     float *y;
-    atomic_int failed; /* a range could not allocate its scratch */
 } bf16_gemm_job;
 
 static void bf16_gemm_range(void *ctx, int b0, int b1) {
-    bf16_gemm_job *job = ctx;
-    float *wide = malloc(sizeof(float) * BF16_GEMM_ROWS * job->k);
-    if (!wide) {
-        atomic_store(&job->failed, 1);
-        return;
-    }
-    ISA.bf16_gemm(job->w, job->n, job->k, job->xtb, job->m, b0, b1, job->y, wide);
-    free(wide);
+    const bf16_gemm_job *job = ctx;
+    ISA.bf16_gemm(job->w, job->n, job->k, job->xtb, job->m, b0, b1, job->y);
 }
 
 /* y [m][n] = x [m][k] · Wᵀ for W [n][k] bf16, k a multiple of 16: exact fp32 arithmetic on the widened weights (a
@@ -305,10 +297,10 @@ NPUMOE_API int npumoe_bf16_gemm(const uint16_t *w, const float *x, int m, int n,
     if (!xtb) return -1;
     for (int i = 0; i < m; i++)
         for (int kk = 0; kk < k; kk++) xtb[((size_t)(i / 16) * k + kk) * 16 + i % 16] = x[(size_t)i * k + kk];
-    bf16_gemm_job job = {w, xtb, n, k, m, y, 0};
+    bf16_gemm_job job = {w, xtb, n, k, m, y};
     lut_parallel(bf16_gemm_range, &job, (n + BF16_GEMM_ROWS - 1) / BF16_GEMM_ROWS, threads, 1);
     free(xtb);
-    return atomic_load(&job.failed) ? -1 : 0;
+    return 0;
 }
 
 typedef struct {

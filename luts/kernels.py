@@ -424,25 +424,26 @@ class LutKernels:
         """y [M, N] = x [M, K] Wᵀ in exact fp32 arithmetic on the widened weights (torch's F.linear on W.float(),
         to summation order), W as for :meth:`bf16_gemv`, K a multiple of 16: a bf16 prompt's GEMM where the CPU
         has no bf16 dot products."""
-        _check_bf16_weight(w)
-        n, k = w.shape
-        if k % 16:
-            raise InputError(f"the bf16 GEMM takes K in multiples of 16, got {k}.")
-        x = _activations(x, k).reshape(-1, k)
-        y = np.empty((x.shape[0], n), np.float32)
-        self.calls.bf16_gemm(w, x, y, threads or default_threads())
-        return y
+        return self._bf16_product(w, x, 16, "bf16 GEMM", self.calls.bf16_gemm, threads)
 
     def bf16_dot_gemm(self, w: np.ndarray, x: np.ndarray, threads: int | None = None) -> np.ndarray:
         """y [M, N] = bf16(x) [M, K] Wᵀ in fp32 through AVX-512 BF16 dot products (spec.bf16_dot_gemm), W as
         for :meth:`bf16_gemv` and K a multiple of 32."""
+        def run(w, x, y, threads):
+            self.calls.bf16_dot_gemm_many_at([(_ptr(w), _ptr(x), _ptr(y), x.shape[0], *w.shape)], threads)
+
+        return self._bf16_product(w, x, 32, "bf16 dot-product GEMM", run, threads)
+
+    @staticmethod
+    def _bf16_product(w: np.ndarray, x: np.ndarray, k_step: int, what: str, run, threads: int | None) -> np.ndarray:
+        """W and K (a multiple of ``k_step``) checked, then y [M, N] filled by ``run(w, x, y, threads)``."""
         _check_bf16_weight(w)
         n, k = w.shape
-        if k % 32:
-            raise InputError(f"the bf16 dot-product GEMM takes K in multiples of 32, got {k}.")
+        if k % k_step:
+            raise InputError(f"the {what} takes K in multiples of {k_step}, got {k}.")
         x = _activations(x, k).reshape(-1, k)
         y = np.empty((x.shape[0], n), np.float32)
-        self.calls.bf16_dot_gemm_many_at([(_ptr(w), _ptr(x), _ptr(y), x.shape[0], n, k)], threads or default_threads())
+        run(w, x, y, threads or default_threads())
         return y
 
     def stream_read(self, buf: np.ndarray, threads: int | None = None, prefetch: int = 0) -> int:

@@ -32,7 +32,8 @@ typedef __m256i vi;
 #define f_xor _mm256_xor_ps
 #define f_from_i _mm256_cvtepi32_ps
 #define f_half(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#define f_bf16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define f_bf16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define i_zero _mm256_setzero_si256
 #define i_load(p) _mm256_loadu_si256((const __m256i *)(p))
 #define i_u8(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
@@ -153,9 +154,11 @@ static inline __attribute__((always_inline)) void i8_tile_dots(vi acc[], const v
             int32_t word;
             memcpy(&word, a + 4 * (4 * h + j), sizeof word);
             const __m256i x = _mm256_set1_epi32(word);
-            for (int rv = 0; rv < 2; rv++) sums[rv] = _mm256_add_epi16(sums[rv], _mm256_maddubs_epi16(codes[rv][h][j], x));
+            for (int rv = 0; rv < 2; rv++)
+                sums[rv] = _mm256_add_epi16(sums[rv], _mm256_maddubs_epi16(codes[rv][h][j], x));
         }
-    for (int rv = 0; rv < 2; rv++) acc[rv] = _mm256_add_epi32(acc[rv], _mm256_madd_epi16(sums[rv], _mm256_set1_epi16(1)));
+    for (int rv = 0; rv < 2; rv++)
+        acc[rv] = _mm256_add_epi32(acc[rv], _mm256_madd_epi16(sums[rv], _mm256_set1_epi16(1)));
 }
 
 #include "simd_kernels.h"

@@ -34,7 +34,8 @@ typedef __m512i vi;
 #define f_reduce_max _mm512_reduce_max_ps
 #define f_from_i _mm512_cvtepi32_ps
 #define f_half(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-#define f_bf16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define f_bf16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define i_zero _mm512_setzero_si512
 #define i_load(p) _mm512_loadu_si512((const void *)(p))
 #define i_u8(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))

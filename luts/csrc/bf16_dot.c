@@ -15,7 +15,8 @@
 
 #include "lut.h"
 
-#if defined(NPUMOE_ISA_AVX512) && ((defined(__GNUC__) && __GNUC__ >= 10) || (defined(__clang__) && __clang_major__ >= 9))
+#if defined(NPUMOE_ISA_AVX512) && \
+    ((defined(__GNUC__) && __GNUC__ >= 10) || (defined(__clang__) && __clang_major__ >= 9))
 #define HAVE_BF16_DOT 1
 #include <immintrin.h>
 #endif

@@ -83,8 +83,8 @@ static inline __attribute__((always_inline)) void position_sums(uint8x16_t p_byt
 }
 
 /* All planes of a tile. Each 16 bytes of a plane are one byte position of all 16 rows (layout.py), so a register
- * holds one run's indices and every lookup is a one-register tbl. Up to 5 bits the planes sum in int16 (each row at most
- * (2^5 − 1) · 8 · 127 = 31496) and widen once a tile; wider codes widen every plane. */
+ * holds one run's indices and every lookup is a one-register tbl. Up to 5 bits the planes sum in int16 (each row
+ * at most (2^5 − 1) · 8 · 127 = 31496) and widen once a tile; wider codes widen every plane. */
 #define ISA_OWN_TILE_DOTS
 static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const uint8_t *tile, const kt_tables *t,
                                                             const int bits) {

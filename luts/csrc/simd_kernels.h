@@ -379,9 +379,9 @@ void ISA(bf16_gemm)(const uint16_t *w, int n, int k, const float *xtb, int m, in
  *
  * Vocabulary: I8_ROWS (activation rows a pass), i_from_f (float → int32, half to even), i_mul (int32 low product),
  * plane_rows(plane, rv) (row vector rv of a plane in row order, byte 4r + p),
- * i8_tile_dots(acc[RV], codes[RV][2][4], a): acc[rv] lane r += Σ_{h,j,p} codes[rv][h][j] byte 4r + p · a[4(4h + j) + p],
- * and i8_store_tile(to, q[32/W]): a tile's 32 activations (int32, |·| ≤ 127) as int8, input 16h + 4p + j to byte
- * 4(4h + j) + p. */
+ * i8_tile_dots(acc[RV], codes[RV][2][4], a): acc[rv] lane r += Σ_{h,j,p} (byte 4r + p of codes[rv][h][j]) ·
+ * a[4(4h + j) + p], and i8_store_tile(to, q[32/W]): a tile's 32 activations (int32, |·| ≤ 127) as int8, input
+ * 16h + 4p + j to byte 4(4h + j) + p. */
 
 /* q[rv][h][j], lane r: the codes of row rv·W + r's inputs 16h + 4p + j in byte p (p = 0..3). */
 static inline __attribute__((always_inline)) void tile_codes(const uint8_t *tile, const int bits, vi q[RV][2][4]) {
@@ -409,7 +409,8 @@ static inline __attribute__((always_inline)) void gemm_i8_group(const vi (*codes
     for (int r = 0; r < rows; r++)
         for (int rv = 0; rv < RV; rv++) acc[r][rv] = i_zero();
     for (int t = 0; t < tiles; t++)
-        for (int r = 0; r < rows; r++) i8_tile_dots(acc[r], codes[t], xq + (size_t)r * k + (size_t)(kt0 + t) * LUT_TILE_K);
+        for (int r = 0; r < rows; r++)
+            i8_tile_dots(acc[r], codes[t], xq + (size_t)r * k + (size_t)(kt0 + t) * LUT_TILE_K);
 }
 
 /* Row block rb against m activation rows into out [m][16]: each group's tiles unpacked once, then dotted with

@@ -224,8 +224,8 @@ def render(rows: list[Row], bandwidth: float, note: str | None, console: Console
         ours, theirs = by_key.get(("npumoe", fmt)), by_key.get(("llama.cpp", llama_format))
         if ours and theirs:
             decode, prefill = ours.decode_tok_s / theirs.decode_tok_s, ours.prefill_tok_s / theirs.prefill_tok_s
-            console.print(f"npumoe {fmt} / llama.cpp {llama_format}: decode {decode:.2f}× ({_goal(decode, GOALS[fmt])}), "
-                          f"prefill {prefill:.2f}× ({_goal(prefill, PREFILL_GOAL)})")
+            console.print(f"npumoe {fmt} / llama.cpp {llama_format}: decode {decode:.2f}× "
+                          f"({_goal(decode, GOALS[fmt])}), prefill {prefill:.2f}× ({_goal(prefill, PREFILL_GOAL)})")
     console.print(f"read bandwidth of this machine (mapped weights, measured): {bandwidth:.1f} GB/s; weight MB/token: "
                   "every matrix a decode token reads (top-8 of 128 experts a layer; the embedding's one row left out)")
     if note:

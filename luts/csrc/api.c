@@ -14,8 +14,8 @@ typedef struct {
     void (*dequant_tile)(const lut_weight *, int, int, float *, int);
     void (*gemm)(const lut_weight *, const float *, int, int, int, int, float *, int);
     int gemm_mr; /* the GEMM pads the activation rows to a multiple of this */
-    void (*gemv8_multi)(const lut_weight *, const lut_tables *const *, int, int, float *const *); /* or NULL */
-    int gemv_mr; /* the activation rows gemv8_multi takes at once */
+    void (*gemv8_multi)(const lut_weight *, const lut_tables *const *, int, int, float *const *, int); /* or NULL */
+    int gemv_mr; /* the most activation rows gemv8_multi takes at once */
     void (*gemm_i8)(const lut_weight *, const int8_t *, const float *, const int32_t *, int, int, int, float *, int);
     void (*int8_rows)(const float *, int, int, int, int8_t *, float *, int32_t *); /* its activations */
     void (*bf16_gemm)(const uint16_t *, int, int, const float *, int, int, int, float *); /* or NULL */
@@ -116,13 +116,11 @@ static void gemv_multi_range(void *ctx, int rb0, int rb1) {
     for (int rb = rb0; rb < rb1; rb += MULTI_ROW_BLOCKS) {
         const int end = rb + MULTI_ROW_BLOCKS < rb1 ? rb + MULTI_ROW_BLOCKS : rb1;
         for (int i0 = 0; i0 < job->m; i0 += ISA.gemv_mr) {
+            const int count = job->m - i0 < ISA.gemv_mr ? job->m - i0 : ISA.gemv_mr;
             const lut_tables *t[LUT_MAX_GEMV_MR];
             float *y[LUT_MAX_GEMV_MR];
-            for (int r = 0; r < ISA.gemv_mr; r++) { /* a short last pass repeats its last row (same values, place) */
-                const int i = i0 + r < job->m ? i0 + r : job->m - 1;
-                t[r] = &job->t[i], y[r] = job->y + i * rows;
-            }
-            ISA.gemv8_multi(job->w, t, rb, end, y);
+            for (int r = 0; r < count; r++) t[r] = &job->t[i0 + r], y[r] = job->y + (i0 + r) * rows;
+            ISA.gemv8_multi(job->w, t, rb, end, y, count);
         }
     }
 }

@@ -9,7 +9,8 @@
 #define ISA_KERNELS(isa)                                                                                     \
     void tables_##isa(const float *x, int k, int group, int table_bits, void *tq, float *t_scales, int32_t *xq); \
     void gemv_##isa(const lut_weight *w, const lut_tables *t, int rb0, int rb1, float *y, int32_t *acc);       \
-    void gemv_multi_##isa(const lut_weight *w, const lut_tables *const *t, int rb0, int rb1, float *const *y);     \
+    void gemv_multi_##isa(const lut_weight *w, const lut_tables *const *t, int rb0, int rb1, float *const *y,      \
+                          int rows);                                                                             \
     void dequant_tile_##isa(const lut_weight *w, int rb, int kt, float *panel, int ld);                               \
     void gemm_##isa(const lut_weight *w, const float *xt, int m_pad, int m, int rb0, int rb1, float *y, int ldy);    \
     void bf16_gemm_##isa(const uint16_t *w, int n, int k, const float *xtb, int m, int b0, int b1, float *y);
@@ -20,7 +21,7 @@
 
 /* Activation rows a multi-row GEMV takes at once: as many as their tables and accumulators leave registers for. */
 #define AVX512_GEMV_MR 4
-#define AVX2_GEMV_MR 2
+#define AVX2_GEMV_MR 4 /* at 1-2 bits; 2 above (avx2.c's GEMV_WIDE) */
 #define NEON_GEMV_MR 2
 #define LUT_MAX_GEMV_MR 4
 

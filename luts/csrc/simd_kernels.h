@@ -176,12 +176,12 @@ void ISA(gemv)(const lut_weight *w, const lut_tables *t, int rb0, int rb1, float
 #undef GEMV
 }
 
-/* The same rows against GEMV_MR activation rows at once (prefill: an expert's few tokens): each tile plane is
+/* The same rows against mr ≤ GEMV_MR activation rows at once (prefill: an expert's few tokens): each tile plane is
  * loaded and split once for all of them, and every row keeps the one-row loop's accumulators and order, so each
- * y[r] equals gemv's bit for bit. tables/y hold GEMV_MR entries (a short batch repeats its last row). */
+ * y[r] equals gemv's bit for bit. */
 static inline __attribute__((always_inline)) void gemv_rows_multi(const lut_weight *w, const lut_tables *const *t,
                                                                   int rb0, int rb1, float *const *y, const int bits,
-                                                                  const int tiles_per_group) {
+                                                                  const int tiles_per_group, const int mr) {
     const int groups = lut_groups(w);
     const size_t tile_stride = (size_t)lut_k_tiles(w) * bits * LUT_TILE_BYTES, param_stride = (size_t)groups * LUT_ROWS;
     for (int rb = rb0; rb < rb1; rb++) {
@@ -189,29 +189,29 @@ static inline __attribute__((always_inline)) void gemv_rows_multi(const lut_weig
         const uint16_t *scales = w->scales + rb * param_stride;
         const uint8_t *zeros = w->zeros ? w->zeros + rb * param_stride : NULL;
         vf out[GEMV_MR][RV];
-        for (int r = 0; r < GEMV_MR; r++)
+        for (int r = 0; r < mr; r++)
             for (int rv = 0; rv < RV; rv++) out[r][rv] = f_zero();
         for (int g = 0; g < groups; g++, scales += LUT_ROWS, zeros = zeros ? zeros + LUT_ROWS : NULL) {
             vi a[GEMV_MR][RV][ACC];
-            for (int r = 0; r < GEMV_MR; r++)
+            for (int r = 0; r < mr; r++)
                 for (int rv = 0; rv < RV; rv++)
                     for (int j = 0; j < ACC; j++) a[r][rv][j] = j ? i_zero() : i_set1(t[r]->bias[g]);
             for (int kt = g * tiles_per_group; kt < (g + 1) * tiles_per_group; kt++, tile += bits * LUT_TILE_BYTES) {
                 kt_tables tables[GEMV_MR];
-                for (int r = 0; r < GEMV_MR; r++) tables[r] = load_tables(t[r]->tq, kt);
+                for (int r = 0; r < mr; r++) tables[r] = load_tables(t[r]->tq, kt);
 #ifdef ISA_OWN_TILE_DOTS
-                for (int r = 0; r < GEMV_MR; r++) tile_dots(a[r], tile, &tables[r], bits);
+                for (int r = 0; r < mr; r++) tile_dots(a[r], tile, &tables[r], bits);
 #else
 #pragma GCC unroll 8
                 for (int i = 0; i < bits; i++) {
                     lut_prefetch_line(tile + i * LUT_TILE_BYTES);
-                    for (int r = 0; r < GEMV_MR; r++) tile_dot(a[r], tile + i * LUT_TILE_BYTES, &tables[r], i);
+                    for (int r = 0; r < mr; r++) tile_dot(a[r], tile + i * LUT_TILE_BYTES, &tables[r], i);
                 }
 #endif
             }
             __builtin_prefetch(scales + LUT_PREFETCH_PARAMS, 0, 2);
             if (zeros) __builtin_prefetch(zeros + LUT_PREFETCH_PARAMS, 0, 2);
-            for (int r = 0; r < GEMV_MR; r++) {
+            for (int r = 0; r < mr; r++) {
                 const vf group_half_ts = f_set1(t[r]->half_ts[g]);
                 for (int rv = 0; rv < RV; rv++) {
                     vi biased = a[r][rv][0];
@@ -221,21 +221,45 @@ static inline __attribute__((always_inline)) void gemv_rows_multi(const lut_weig
                 }
             }
         }
-        for (int r = 0; r < GEMV_MR; r++)
+        for (int r = 0; r < mr; r++)
             for (int rv = 0; rv < RV; rv++) f_store(y[r] + (size_t)rb * LUT_ROWS + rv * W, out[r][rv]);
     }
 }
 
-void ISA(gemv_multi)(const lut_weight *w, const lut_tables *const *t, int rb0, int rb1, float *const *y) {
+/* Passes of mr rows over t/y's `rows` entries, a short last one repeating its last row (same values, place). */
+static inline __attribute__((always_inline)) void gemv_passes(const lut_weight *w, const lut_tables *const *t,
+                                                              int rb0, int rb1, float *const *y, int rows,
+                                                              const int bits, const int mr) {
+    for (int r0 = 0; r0 < rows; r0 += mr) {
+        const lut_tables *tp[GEMV_MR];
+        float *yp[GEMV_MR];
+        for (int r = 0; r < mr; r++) {
+            const int i = r0 + r < rows ? r0 + r : rows - 1;
+            tp[r] = t[i], yp[r] = y[i];
+        }
+        if (bits > 2)
+            gemv_rows_multi(w, tp, rb0, rb1, yp, bits, w->group / LUT_TILE_K, mr);
+        else if (w->group == 32)
+            gemv_rows_multi(w, tp, rb0, rb1, yp, bits, 1, mr);
+        else if (w->group == 64)
+            gemv_rows_multi(w, tp, rb0, rb1, yp, bits, 2, mr);
+        else
+            gemv_rows_multi(w, tp, rb0, rb1, yp, bits, 4, mr);
+    }
+}
+
+/* `rows` ≤ GEMV_MR activation rows: one pass of GEMV_MR, or where the ISA says that many lose (GEMV_WIDE false),
+ * passes of GEMV_NARROW_MR. */
+void ISA(gemv_multi)(const lut_weight *w, const lut_tables *const *t, int rb0, int rb1, float *const *y, int rows) {
+#ifdef GEMV_NARROW_MR
 #define GEMV_MULTI(b)                                                             \
-    if ((b) > 2)                                                                  \
-        gemv_rows_multi(w, t, rb0, rb1, y, b, w->group / LUT_TILE_K);             \
-    else if (w->group == 32)                                                      \
-        gemv_rows_multi(w, t, rb0, rb1, y, b, 1);                                 \
-    else if (w->group == 64)                                                      \
-        gemv_rows_multi(w, t, rb0, rb1, y, b, 2);                                 \
+    if (GEMV_WIDE(b, rows))                                                       \
+        gemv_passes(w, t, rb0, rb1, y, rows, b, GEMV_MR);                         \
     else                                                                          \
-        gemv_rows_multi(w, t, rb0, rb1, y, b, 4);
+        gemv_passes(w, t, rb0, rb1, y, rows, b, GEMV_NARROW_MR);
+#else
+#define GEMV_MULTI(b) gemv_passes(w, t, rb0, rb1, y, rows, b, GEMV_MR);
+#endif
     FOR_BITS(GEMV_MULTI)
 #undef GEMV_MULTI
 }

@@ -156,27 +156,18 @@ NPUMOE_API int npumoe_lut_gemv(const lut_weight *w, const float *x, int m, int t
     return 0;
 }
 
-/* Several one-row GEMVs in one parallel job (a decode step's experts, q/k/v): the row blocks of all the
- * matrices are numbered one after another, so the threads stream one long run of weights instead of
- * restarting (and waking) per matrix. Tasks that read one activation against alike matrices (q, k, v; every
- * expert's gate and up) share one build of its tables. Each result equals npumoe_lut_gemv's for its task. */
+/* Several one-row GEMVs in one parallel job (a decode step's experts, q/k/v: lut_parallel_tasks over their row
+ * blocks). Tasks that read one activation against alike matrices (q, k, v; every expert's gate and up) share one
+ * build of its tables. Each result equals npumoe_lut_gemv's for its task. */
 typedef struct {
     const npumoe_lut_task *tasks;
     const lut_tables *tables;
-    const int *first_block; /* [count + 1]: the global number of each task's first block */
 } gemv_batch;
 
-static void gemv_batch_range(void *ctx, int b0, int b1) {
+static void gemv_batch_span(void *ctx, int t, int rb0, int rb1) {
     const gemv_batch *batch = ctx;
-    int t = 0;
-    while (batch->first_block[t + 1] <= b0) t++;
-    for (; b0 < b1; t++) {
-        const int base = batch->first_block[t], end = batch->first_block[t + 1] < b1 ? batch->first_block[t + 1] : b1;
-        const lut_tables *tables = &batch->tables[t];
-        (tables->table_bits == 8 ? ISA.gemv8 : gemv_portable)(batch->tasks[t].w, tables, b0 - base, end - base,
-                                                               batch->tasks[t].y, NULL);
-        b0 = end;
-    }
+    const lut_tables *tables = &batch->tables[t];
+    (tables->table_bits == 8 ? ISA.gemv8 : gemv_portable)(batch->tasks[t].w, tables, rb0, rb1, batch->tasks[t].y, NULL);
 }
 
 /* The earlier task whose tables task t can use (same activation, width, group, bits and zero-point form), or t. */
@@ -215,11 +206,8 @@ NPUMOE_API int npumoe_lut_gemv_many(const npumoe_lut_task *tasks, int count, int
         first_block[t + 1] = first_block[t] + w->row_blocks;
         weight_bytes += (size_t)w->row_blocks * row_block_bytes(w);
     }
-    const int blocks = first_block[count];
-    if (blocks > 0) {
-        gemv_batch batch = {tasks, tables, first_block};
-        lut_parallel(gemv_batch_range, &batch, blocks, threads, lut_batch_chunk(weight_bytes, blocks, threads));
-    }
+    gemv_batch batch = {tasks, tables};
+    lut_parallel_tasks(gemv_batch_span, &batch, first_block, count, weight_bytes, threads);
     free(block), free(tables), free(first_block);
     return 0;
 }

@@ -149,22 +149,10 @@ static void bf16_block(const bf16_job *job, int r) {
     }
 }
 
-/* Several GEMVs in one parallel job (a decode step's experts): their row blocks are numbered one after
- * another, so the threads stream one long run of weights instead of restarting per matrix. */
-typedef struct {
-    bf16_job *jobs;
-    int *first_block; /* [count + 1]: the global number of each task's first block */
-    int count;
-} bf16_batch;
-
-static void bf16_range(void *ctx, int b0, int b1) {
-    const bf16_batch *batch = ctx;
-    int t = 0;
-    while (batch->first_block[t + 1] <= b0) t++;
-    for (int b = b0; b < b1; b++) {
-        while (batch->first_block[t + 1] <= b) t++;
-        bf16_block(&batch->jobs[t], (b - batch->first_block[t]) * BF16_ROWS);
-    }
+/* Several GEMVs in one parallel job (a decode step's experts: lut_parallel_tasks over their row blocks). */
+static void bf16_span(void *ctx, int t, int b0, int b1) {
+    const bf16_job *job = (const bf16_job *)ctx + t;
+    for (int b = b0; b < b1; b++) bf16_block(job, b * BF16_ROWS);
 }
 
 /* For each task, y [m][n] = x [m][k] · Wᵀ for W [n][k] in bf16 (row-major): each weight row read once for
@@ -195,11 +183,7 @@ NPUMOE_API int npumoe_bf16_gemv_many(const npumoe_bf16_task *tasks, int count, i
         first_block[t + 1] = first_block[t] + (task->n + BF16_ROWS - 1) / BF16_ROWS;
         weight_bytes += (size_t)task->n * k * sizeof(uint16_t);
     }
-    const int blocks = first_block[count];
-    if (blocks > 0) {
-        bf16_batch batch = {jobs, first_block, count};
-        lut_parallel(bf16_range, &batch, blocks, threads, lut_batch_chunk(weight_bytes, blocks, threads));
-    }
+    lut_parallel_tasks(bf16_span, jobs, first_block, count, weight_bytes, threads);
     free(split), free(jobs), free(first_block);
     return 0;
 }

@@ -40,14 +40,8 @@ typedef struct {
     int m, n, k;
 } dot_job;
 
-typedef struct {
-    dot_job *jobs;
-    int *first_block; /* [count + 1] */
-    int count;
-} dot_batch;
-
 #ifdef HAVE_BF16_DOT
-/* Weight rows r .. r+3 (a short last block repeats its last row) against activation rows i0 .. i1-1. */
+/* Weight rows r .. r+DOT_NR-1 (a short last block repeats its last row) against activation rows i0 .. i1-1. */
 __attribute__((target("avx512f,avx512bf16"))) static void dot_block(const dot_job *job, int r, int i0, int i1) {
     const int k = job->k, rows = job->n - r < DOT_NR ? job->n - r : DOT_NR;
     const uint16_t *w[DOT_NR];
@@ -72,21 +66,12 @@ __attribute__((target("avx512f,avx512bf16"))) static void dot_block(const dot_jo
     }
 }
 
-/* A thread's run of weight blocks, DOT_M_TILE activation rows at a time: the tile stays in L2 while the
+/* A thread's run of a task's weight blocks, DOT_M_TILE activation rows at a time: the tile stays in L2 while the
  * blocks stream past it, instead of every block reading all m rows from further out. */
-static void dot_range(void *ctx, int b0, int b1) {
-    const dot_batch *batch = ctx;
-    int t = 0;
-    while (batch->first_block[t + 1] <= b0) t++;
-    for (int first = b0; first < b1;) {
-        while (batch->first_block[t + 1] <= first) t++;
-        const dot_job *job = &batch->jobs[t];
-        const int last = batch->first_block[t + 1] < b1 ? batch->first_block[t + 1] : b1;
-        for (int i = 0; i < job->m; i += DOT_M_TILE)
-            for (int b = first; b < last; b++)
-                dot_block(job, (b - batch->first_block[t]) * DOT_NR, i, i + DOT_M_TILE < job->m ? i + DOT_M_TILE : job->m);
-        first = last;
-    }
+static void dot_span(void *ctx, int t, int b0, int b1) {
+    const dot_job *job = (const dot_job *)ctx + t;
+    for (int i = 0; i < job->m; i += DOT_M_TILE)
+        for (int b = b0; b < b1; b++) dot_block(job, b * DOT_NR, i, i + DOT_M_TILE < job->m ? i + DOT_M_TILE : job->m);
 }
 #endif
 
@@ -126,11 +111,7 @@ NPUMOE_API int npumoe_bf16_dot_gemm_many(const npumoe_bf16_task *tasks, int coun
         first_block[t + 1] = first_block[t] + (task->n + DOT_NR - 1) / DOT_NR;
         weight_bytes += (size_t)task->n * task->k * sizeof(uint16_t);
     }
-    const int blocks = first_block[count];
-    if (blocks > 0) {
-        dot_batch batch = {jobs, first_block, count};
-        lut_parallel(dot_range, &batch, blocks, threads, lut_batch_chunk(weight_bytes, blocks, threads));
-    }
+    lut_parallel_tasks(dot_span, jobs, first_block, count, weight_bytes, threads);
     free(xb), free(jobs), free(first_block);
     return 0;
 #else

@@ -74,19 +74,11 @@ typedef struct {
     float *y;
 } f32_task;
 
-typedef struct {
-    const f32_task *tasks;
-    const int *first_row; /* [count + 1] */
-} f32_batch;
-
-static void f32_rows(void *ctx, int r0, int r1) {
-    const f32_batch *batch = ctx;
-    int t = 0;
+static void f32_rows(void *ctx, int t, int r0, int r1) {
+    const f32_task *task = (const f32_task *)ctx + t;
+    const int k = task->m->k;
     for (int r = r0; r < r1; r++) {
-        while (batch->first_row[t + 1] <= r) t++;
-        const f32_task *task = &batch->tasks[t];
-        const int k = task->m->k;
-        const float *w = task->m->f32 + (size_t)(r - batch->first_row[t]) * k;
+        const float *w = task->m->f32 + (size_t)r * k;
         dvec even = {0}, odd = {0};
         int i = 0;
         for (; i + 2 * DVL <= k; i += 2 * DVL) {
@@ -99,7 +91,7 @@ static void f32_rows(void *ctx, int r0, int r1) {
         float sum = 0.0f;
         for (int l = 0; l < DVL; l++) sum += even[l] + odd[l];
         for (; i < k; i++) sum += w[i] * task->x[i];
-        task->y[r - batch->first_row[t]] = sum;
+        task->y[r] = sum;
     }
 }
 
@@ -111,8 +103,7 @@ static void f32_gemv_many(const f32_task *tasks, int count, int threads) {
         first_row[t + 1] = first_row[t] + tasks[t].m->n;
         bytes += (size_t)tasks[t].m->n * tasks[t].m->k * sizeof(float);
     }
-    f32_batch batch = {tasks, first_row};
-    lut_parallel(f32_rows, &batch, first_row[count], threads, lut_batch_chunk(bytes, first_row[count], threads));
+    lut_parallel_tasks(f32_rows, (void *)tasks, first_row, count, bytes, threads);
 }
 
 /* y_i = x_i · W_iᵀ for each of `count` matrices: the LUT ones in one job (8-bit tables, as the decode path's GEMV),

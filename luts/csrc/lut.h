@@ -118,7 +118,11 @@ void lut_parallel(lut_range_fn fn, void *ctx, int units, int threads, int min_ch
  * in 16 chunks of 300 KB reached 0.90-0.91 of the plain read, in 4 chunks 0.95 (and 0.81 → 0.91-0.93
  * when the VM's bandwidth jumped to 51 GB/s). */
 #define LUT_STREAM_CHUNK (1 << 20)
-/* A batched job's smallest chunk: LUT_STREAM_CHUNK of its weights, but at least one chunk per thread. */
-int lut_batch_chunk(size_t weight_bytes, int blocks, int threads);
+/* Several matrices as one parallel job: their units (row blocks, rows) numbered one after another, task t's from
+ * first[t], first[count] in all, so the threads stream one long run of weights instead of restarting (and waking)
+ * per matrix. fn(ctx, t, begin, end) gets each chunk's part of task t as the task's own units begin..end-1; chunks
+ * cover LUT_STREAM_CHUNK of the weight_bytes at least, but one chunk per thread at most. */
+typedef void (*lut_span_fn)(void *ctx, int task, int begin, int end);
+void lut_parallel_tasks(lut_span_fn fn, void *ctx, const int *first, int count, size_t weight_bytes, int threads);
 
 #endif

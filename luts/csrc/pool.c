@@ -152,8 +152,29 @@ void lut_parallel(lut_range_fn fn, void *ctx, int units, int threads, int min_ch
     pthread_mutex_unlock(&pool.call_lock);
 }
 
-int lut_batch_chunk(size_t weight_bytes, int blocks, int threads) {
-    int min_chunk = (int)(LUT_STREAM_CHUNK / (weight_bytes / blocks + 1) + 1);
-    if (threads > 1 && min_chunk > blocks / threads) min_chunk = blocks / threads > 0 ? blocks / threads : 1;
-    return min_chunk;
+typedef struct {
+    lut_span_fn fn;
+    void *ctx;
+    const int *first; /* [count + 1] */
+} task_spans_job;
+
+/* Units b0..b1-1 as each task's own span of them (a task without units gets no call). */
+static void task_spans(void *ctx, int b0, int b1) {
+    const task_spans_job *job = ctx;
+    int t = 0;
+    while (job->first[t + 1] <= b0) t++;
+    for (; b0 < b1; t++) {
+        const int end = job->first[t + 1] < b1 ? job->first[t + 1] : b1;
+        if (end > b0) job->fn(job->ctx, t, b0 - job->first[t], end - job->first[t]);
+        b0 = end;
+    }
+}
+
+void lut_parallel_tasks(lut_span_fn fn, void *ctx, const int *first, int count, size_t weight_bytes, int threads) {
+    const int units = first[count];
+    if (units <= 0) return;
+    int min_chunk = (int)(LUT_STREAM_CHUNK / (weight_bytes / units + 1) + 1);
+    if (threads > 1 && min_chunk > units / threads) min_chunk = units / threads > 0 ? units / threads : 1;
+    task_spans_job job = {fn, ctx, first};
+    lut_parallel(task_spans, &job, units, threads, min_chunk);
 }

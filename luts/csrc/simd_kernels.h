@@ -157,17 +157,21 @@ static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w,
  * as the tiles (accumulators copied between registers each time round, the loop set up per group):
  * with the count fixed at compile time the group is straight-line code. int2 from DRAM +2-3 % on
  * Zen 4; at 4 bits the same code is no faster. */
+#define WITH_TILES_PER_GROUP(call, bits, group) \
+    if ((bits) > 2)                             \
+        call((group) / LUT_TILE_K);             \
+    else if ((group) == 32)                     \
+        call(1);                                \
+    else if ((group) == 64)                     \
+        call(2);                                \
+    else                                        \
+        call(4);
+
 static inline __attribute__((always_inline)) void gemv_bits(const lut_weight *w, const lut_tables *t, int rb0, int rb1,
                                                             float *y, int32_t *acc, const int bits) {
-    if (bits > 2) {
-        gemv_rows(w, t, rb0, rb1, y, acc, bits, w->group / LUT_TILE_K);
-        return;
-    }
-    switch (w->group) {
-    case 32: gemv_rows(w, t, rb0, rb1, y, acc, bits, 1); break;
-    case 64: gemv_rows(w, t, rb0, rb1, y, acc, bits, 2); break;
-    default: gemv_rows(w, t, rb0, rb1, y, acc, bits, 4); break;
-    }
+#define ROWS(tiles) gemv_rows(w, t, rb0, rb1, y, acc, bits, tiles)
+    WITH_TILES_PER_GROUP(ROWS, bits, w->group)
+#undef ROWS
 }
 
 void ISA(gemv)(const lut_weight *w, const lut_tables *t, int rb0, int rb1, float *y, int32_t *acc) {
@@ -237,14 +241,9 @@ static inline __attribute__((always_inline)) void gemv_passes(const lut_weight *
             const int i = r0 + r < rows ? r0 + r : rows - 1;
             tp[r] = t[i], yp[r] = y[i];
         }
-        if (bits > 2)
-            gemv_rows_multi(w, tp, rb0, rb1, yp, bits, w->group / LUT_TILE_K, mr);
-        else if (w->group == 32)
-            gemv_rows_multi(w, tp, rb0, rb1, yp, bits, 1, mr);
-        else if (w->group == 64)
-            gemv_rows_multi(w, tp, rb0, rb1, yp, bits, 2, mr);
-        else
-            gemv_rows_multi(w, tp, rb0, rb1, yp, bits, 4, mr);
+#define ROWS(tiles) gemv_rows_multi(w, tp, rb0, rb1, yp, bits, tiles, mr)
+        WITH_TILES_PER_GROUP(ROWS, bits, w->group)
+#undef ROWS
     }
 }
 
@@ -264,27 +263,40 @@ void ISA(gemv_multi)(const lut_weight *w, const lut_tables *const *t, int rb0, i
 #undef GEMV_MULTI
 }
 
-/* Level 1 (the spec's repack word, a byte a plane) runs over whole vectors of a tile's planes into codes, whose
- * byte LUT_TILE_BYTE(r, p) of [h][j] is the code of row r's input 16h + 4p + j; level 2 reads W rows of one
- * position p at a time, as the panel's float rows want them. */
+/* Level 1 of the dequantisation (byte j of the spec's repack word, a plane at a time), from one vector of each of
+ * a tile's planes split into nibbles (nib[h][i]: nibble h of plane i): byte b of q[h] is the code of the input
+ * whose index is nibble h of byte b, position j within its run of four. One j at a time, so a caller can use each
+ * before the next (dequant_tile: 8 codes vectors live at once spill AVX2's registers, 3 % of its GEMM). */
+static inline __attribute__((always_inline)) void plane_nibbles(const vi *v, const int bits, vi nib[2][8]) {
+    for (int i = 0; i < bits; i++) {
+        nib[0][i] = i_nibble(v[i], 0);
+        nib[1][i] = i_nibble(v[i], 1);
+    }
+}
+
+static inline __attribute__((always_inline)) void repack_codes(vi nib[2][8], const int bits, const int j, vi q[2]) {
+    q[0] = q[1] = i_zero();
+    for (int i = 0; i < bits; i++) {
+        const vi table = i_table16(lut_repack_bytes[i][j]);
+        for (int h = 0; h < 2; h++) q[h] = i_or(q[h], i_lookup16(table, nib[h][i]));
+    }
+}
+
+/* Level 1 runs over whole vectors of a tile's planes into codes, whose byte LUT_TILE_BYTE(r, p) of [h][j] is the
+ * code of row r's input 16h + 4p + j; level 2 reads W rows of one position p at a time, as the panel's float rows
+ * want them. */
 static inline __attribute__((always_inline)) void dequant_tile_bits(const lut_weight *w, int rb, int kt, float *panel,
                                                                     int ld, const int bits) {
     const uint8_t *tile = lut_tile(w, rb, kt);
     const size_t at = lut_block_param(w, rb, kt * LUT_TILE_K / w->group);
     uint8_t codes[2][4][LUT_TILE_BYTES] __attribute__((aligned(64)));
     for (int c = 0; c < LUT_TILE_BYTES; c += 4 * W) { /* a vector holds 4W bytes */
-        vi nib[2][8];
-        for (int i = 0; i < bits; i++) {
-            const vi v = i_load(tile + i * LUT_TILE_BYTES + c);
-            nib[0][i] = i_nibble(v, 0);
-            nib[1][i] = i_nibble(v, 1);
-        }
+        vi v[8], nib[2][8];
+        for (int i = 0; i < bits; i++) v[i] = i_load(tile + i * LUT_TILE_BYTES + c);
+        plane_nibbles(v, bits, nib);
         for (int j = 0; j < 4; j++) {
-            vi q[2] = {i_zero(), i_zero()};
-            for (int i = 0; i < bits; i++) {
-                const vi table = i_table16(lut_repack_bytes[i][j]);
-                for (int h = 0; h < 2; h++) q[h] = i_or(q[h], i_lookup16(table, nib[h][i]));
-            }
+            vi q[2];
+            repack_codes(nib, bits, j, q);
             for (int h = 0; h < 2; h++) i_store(codes[h][j] + c, q[h]);
         }
     }
@@ -397,8 +409,8 @@ void ISA(bf16_gemm)(const uint16_t *w, int n, int k, const float *xtb, int m, in
  *
  * At 3-4 bits a LUT-GEMV row costs two table lookups and two dot products per bit plane, where a 4-way byte dot
  * product (AVX-512 VNNI vpdpbusd; AVX2 vpmaddubsw) multiplies a vector of weight codes by int8 activations in one
- * or two instructions. So for a few rows or more, each tile's codes are unpacked once (dequant_tile's level-1
- * repack, without the float step) and every row's activations, quantised per group to int8
+ * or two instructions. So for a few rows or more, each tile's codes are unpacked once (repack_codes: dequant_tile's
+ * level 1, without the float step) and every row's activations, quantised per group to int8
  * (spec.quantize_activations), are dotted with them: y = Σ_g s·xs_g·(Σ q·xq − z·Σ xq).
  *
  * Vocabulary: I8_ROWS (activation rows a pass), i_from_f (float → int32, half to even), i_mul (int32 low product),
@@ -410,18 +422,13 @@ void ISA(bf16_gemm)(const uint16_t *w, int n, int k, const float *xtb, int m, in
 /* q[rv][h][j], lane r: the codes of row rv·W + r's inputs 16h + 4p + j in byte p (p = 0..3). */
 static inline __attribute__((always_inline)) void tile_codes(const uint8_t *tile, const int bits, vi q[RV][2][4]) {
     for (int rv = 0; rv < RV; rv++) {
-        vi nib[2][8];
-        for (int i = 0; i < bits; i++) {
-            const vi v = plane_rows(tile + i * LUT_TILE_BYTES, rv);
-            nib[0][i] = i_nibble(v, 0);
-            nib[1][i] = i_nibble(v, 1);
-        }
+        vi v[8], nib[2][8];
+        for (int i = 0; i < bits; i++) v[i] = plane_rows(tile + i * LUT_TILE_BYTES, rv);
+        plane_nibbles(v, bits, nib);
         for (int j = 0; j < 4; j++) {
-            q[rv][0][j] = q[rv][1][j] = i_zero();
-            for (int i = 0; i < bits; i++) {
-                const vi table = i_table16(lut_repack_bytes[i][j]);
-                for (int h = 0; h < 2; h++) q[rv][h][j] = i_or(q[rv][h][j], i_lookup16(table, nib[h][i]));
-            }
+            vi byte_j[2];
+            repack_codes(nib, bits, j, byte_j);
+            q[rv][0][j] = byte_j[0], q[rv][1][j] = byte_j[1];
         }
     }
 }

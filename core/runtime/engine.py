@@ -280,7 +280,7 @@ class Engine:
             wanted = keep == "all" or (keep == "last" and start + chunk >= len(ids))
             logits = self._step(padded, valid, head=keep if wanted else "none")
             if wanted:
-                rows.append(logits[:valid])
+                rows.append(logits)
         return torch.cat(rows) if rows else None
 
     def _run(self, name: str, inputs: Mapping[str, torch.Tensor], executor: Executor | None = None
@@ -315,8 +315,8 @@ class Engine:
         return min(self.cache.capacity, -(-max(start, 1) // CACHE_BUCKET) * CACHE_BUCKET)
 
     def _step(self, ids: torch.Tensor, valid: int, head: str = "all") -> torch.Tensor | None:
-        """One static-shape pass over ``len(ids)`` positions, the first ``valid`` real; the logits of ``head``:
-        "all" of them, the "last" real one's, or "none"."""
+        """One static-shape pass over ``len(ids)`` positions, the first ``valid`` real; the logits ``head`` asks
+        for (:meth:`_head`)."""
         start = self.cache.length
         if valid == ids.shape[0] == 1 and head != "none" and (logits := self._fused_step(int(ids[0]), start)) \
                 is not None:
@@ -329,7 +329,7 @@ class Engine:
             y = self._feed_forward(i, z, h - x, valid)
             x = self._residual(i, x, h, y, valid)
         self.cache.length += valid
-        return None if head == "none" else self._lm_head(x, valid) if head == "all" else self._last_logits(x, valid)
+        return self._head(x, valid, head)
 
     def _prefill_buffered(self, ids: torch.Tensor, keep: str) -> torch.Tensor | None:
         """A multi-chunk prompt layer by layer: every chunk's attention, then the layer's MoE on all of the
@@ -359,9 +359,8 @@ class Engine:
                         ys = [y + self._run(step.moe.shared[chunk], {"z": z})["y"] for y, (_, z) in zip(ys, hz)]
             xs = [self._residual(i, x, h, y, v) for x, (h, _), y, v in zip(xs, hz, ys, valid)]
         self.cache.length = len(ids)
-        if keep == "last":
-            return self._last_logits(xs[-1], valid[-1])
-        rows = [self._lm_head(x, v)[:v] for x, v in zip(xs, valid)] if keep == "all" else []
+        wanted = range(len(xs)) if keep == "all" else range(len(xs) - 1, len(xs)) if keep == "last" else ()
+        rows = [self._head(xs[c], valid[c], keep) for c in wanted]
         return torch.cat(rows) if rows else None
 
     def _embed(self, ids: torch.Tensor, valid: int) -> torch.Tensor:
@@ -492,12 +491,16 @@ class Engine:
             self._check_finite(out, valid, x.shape[0], "ffn", i)
         return out
 
-    def _last_logits(self, x: torch.Tensor, valid: int) -> torch.Tensor:
-        """Logits [1, vocab] of the last real position, through the one-row head where the program has it, as
-        decode runs it: a prompt's other positions need none (llama.cpp computes the same one)."""
-        if 1 in self.program.lm_head:
+    def _head(self, x: torch.Tensor, valid: int, keep: str) -> torch.Tensor | None:
+        """The logits of ``keep`` among chunk x's ``valid`` real positions: "all" [valid, vocab], the "last" one's
+        [1, vocab], or "none" (None). The last position goes through the one-row head where the program has it, as
+        decode runs it: generating needs no other position's logits (llama.cpp computes the same one)."""
+        if keep == "none":
+            return None
+        if keep == "last" and 1 in self.program.lm_head:
             return self._lm_head(x[valid - 1:valid], 1)
-        return self._lm_head(x, valid)[valid - 1:valid]
+        logits = self._lm_head(x, valid)
+        return logits[valid - 1:valid] if keep == "last" else logits[:valid]
 
     def _lm_head(self, x: torch.Tensor, valid: int) -> torch.Tensor:
         with self.metrics_.time("lm_head"):

@@ -46,18 +46,30 @@ def _rope(x, cos, sin, *, rotary_dim, interleaved):
     return torch.cat((_rotate(rot, cos, sin, interleaved), rest), dim=-1)
 
 
-def _threaded_for_prompts(attention: Callable) -> Callable:
-    """A prompt's attention (more than one query) on torch's threads even where the kernels hold torch on one."""
-    @functools.wraps(attention)
-    def run(q, *args, **attrs):
-        if q.shape[-2] == 1:
-            return attention(q, *args, **attrs)
-        with torch_threads_back():
-            return attention(q, *args, **attrs)
-    return run
+# Attention work (query elements × keys) from which attention takes torch's threads back inside
+# torch_on_one_thread. A second thread halves the products, but torch's OpenMP workers then spin for milliseconds
+# on the core the next kernel call needs (2 cores, bf16 Qwen3 widths, 64 queries × 32 heads × 128: AVX2 1 → 2
+# threads saves 0.9 ms at 128 keys and 4 ms at 512 while the spinning costs the next product ~4 ms; a 256-token
+# prefill 466-475 → 422-432 ms on one thread, and on AVX-512 the same within noise; at 1536 tokens AVX-512 is
+# 12 % faster with the threads back).
+THREADED_ATTENTION_FROM = 1 << 27
 
 
-@_threaded_for_prompts
+def _threaded_when_large(keys: Callable[..., int]) -> Callable[[Callable], Callable]:
+    """Attention on torch's threads even where the kernels hold torch on one, when its work (query elements
+    × ``keys(*args)``) reaches THREADED_ATTENTION_FROM: a long prompt's, not a short prompt's or a decode step's."""
+    def threaded(attention: Callable) -> Callable:
+        @functools.wraps(attention)
+        def run(q, *args, **attrs):
+            if q.numel() * keys(*args) < THREADED_ATTENTION_FROM:
+                return attention(q, *args, **attrs)
+            with torch_threads_back():
+                return attention(q, *args, **attrs)
+        return run
+    return threaded
+
+
+@_threaded_when_large(keys=lambda k, *_: k.shape[-2])
 def _sdpa(q, k, v, mask, sinks=None, *, scale):
     groups = q.shape[0] // k.shape[0]
     if groups > 1:  # (a copy of the whole cache: skipped when every query head has its own)
@@ -72,7 +84,7 @@ def _sdpa(q, k, v, mask, sinks=None, *, scale):
     return torch.matmul(probs, v)
 
 
-@_threaded_for_prompts
+@_threaded_when_large(keys=lambda k_old, k_new, *_: k_old.shape[-2] + k_new.shape[-2])
 def _sdpa_over_parts(q, k_old, k_new, v_old, v_new, mask, sinks=None, *, scale):
     """``sdpa(q, concat(k_old, k_new), concat(v_old, v_new), mask, sinks)`` without building either
     concatenation (at decode each would copy the layer's whole KV cache) and with grouped-query heads

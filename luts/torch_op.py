@@ -57,7 +57,7 @@ def torch_on_one_thread() -> Iterator[None]:
     """Torch's own ops on one thread while the kernels keep torch's thread count. In a decode step whose
     matrices the kernels read, torch is left with small ops that gain nothing from threads, and its OpenMP
     workers spin for about a millisecond after each one on the core a kernel's worker needs (OLMoE-1B-7B,
-    bf16, 2 cores: 160 -> 126 ms/token). A prompt's attention takes torch's threads back (torch_threads_back)."""
+    bf16, 2 cores: 160 -> 126 ms/token). A long prompt's attention takes torch's threads back (torch_threads_back)."""
     global _held_threads
     if _held_threads is not None:
         yield
@@ -73,10 +73,9 @@ def torch_on_one_thread() -> Iterator[None]:
 
 @contextmanager
 def torch_threads_back() -> Iterator[None]:
-    """Torch's own thread count again inside a torch_on_one_thread block: for a prompt's attention, the one large
-    product torch keeps when the kernels take a prompt's matrices (2 Zen 4 cores, bf16 Qwen3 widths: holding
-    torch on one thread throughout a prefill gains 8-10 % at 256 tokens and loses 10-16 % at 1536; giving the
-    attention its threads back keeps the gain and loses nothing)."""
+    """Torch's own thread count again inside a torch_on_one_thread block: for a long prompt's attention, the one
+    large product torch keeps when the kernels take a prompt's matrices (2 Zen 4 cores, bf16 Qwen3 widths, 1536
+    tokens: 12 % faster than on one thread). Which attention is long enough: interpreter.THREADED_ATTENTION_FROM."""
     held = _held_threads
     if held is None:
         yield

@@ -204,23 +204,28 @@ def test_packed_linears_batched_in_one_call_equal_each_alone():
     assert lut_linear_many([*xs[:-1], torch.randn(2, 96)], linears) is None
 
 
-def test_a_prompts_attention_takes_torchs_threads_back():
-    """Inside torch_on_one_thread torch runs on one thread, but attention over more than one query (a prompt) gets
-    torch's own count back for its products, and one thread again after; a decode query (one row) stays on one."""
-    from npumoe.core.interpreter import _threaded_for_prompts
+def test_large_attention_takes_torchs_threads_back():
+    """Inside torch_on_one_thread torch runs on one thread, but attention whose work (query elements × keys) reaches
+    THREADED_ATTENTION_FROM gets torch's own count back for its products, and one thread again after; a short
+    prompt's and a decode step's attention stay on one."""
+    from npumoe.core.interpreter import THREADED_ATTENTION_FROM, _threaded_when_large
 
     before = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
         seen = []
-        attention = _threaded_for_prompts(lambda q: seen.append(torch.get_num_threads()))
+        attention = _threaded_when_large(keys=lambda k: k.shape[-2])(
+            lambda q, k: seen.append(torch.get_num_threads()))
+        queries = torch.zeros(4, 64, 128)  # heads, queries, dim: a prompt's chunk
+        keys_from = THREADED_ATTENTION_FROM // queries.numel()
         with torch_op.torch_on_one_thread():
             assert torch.get_num_threads() == 1 and torch_op.kernel_threads() == 3
-            attention(torch.zeros(2, 5, 8))  # heads, queries, dim: a prompt
+            attention(queries, torch.zeros(1, keys_from, 128))  # a long prompt's chunk
             after_prompt = torch.get_num_threads()
-            attention(torch.zeros(2, 1, 8))  # a decode step
-        assert seen == [3, 1] and after_prompt == 1
-        attention(torch.zeros(2, 5, 8))  # outside the block: torch's count, untouched
+            attention(queries, torch.zeros(1, keys_from - 1, 128))  # a short prompt's
+            attention(torch.zeros(4, 1, 128), torch.zeros(1, keys_from, 128))  # a decode step
+        assert seen == [3, 1, 1] and after_prompt == 1
+        attention(queries, torch.zeros(1, keys_from, 128))  # outside the block: torch's count, untouched
         assert seen[-1] == 3 and torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)

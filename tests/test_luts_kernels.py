@@ -297,12 +297,12 @@ def test_auto_moves_past_a_kernel_the_compiler_cannot_build(monkeypatch):
 
 @pytest.mark.parametrize("product", ["bf16_gemv", "bf16_gemm"])
 @pytest.mark.parametrize("n,k,m", [(1, 16, 1), (5, 16, 3), (37, 70, 2), (64, 512, 17), (130, 1040, 1),
-                                   (13, 48, 70), (7, 32, 16)])
+                                   (13, 48, 70), (7, 32, 16), (11, 64, 27)])
 def test_bf16_products_are_fp32_math_on_the_bf16_values(lut, product, n, k, m):
     """The GEMV (row counts around its 4-row block, K off the 16-input step) and the GEMM (weight rows around its
-    6-row block, activation rows around its 16-row blocks and 64-row tiles; SIMD builds, K a multiple of 16): the
-    widened bf16 weights times x, summed in fp32, against fp64 on the same values (bound: fp32 rounding over K
-    terms)."""
+    6-row blocks and their pairs, activation rows around its 16-row blocks, 8-row last blocks and 64-row tiles; SIMD
+    builds, K a multiple of 16): the widened bf16 weights times x, summed in fp32, against fp64 on the same values
+    (bound: fp32 rounding over K terms)."""
     rng = np.random.default_rng(n * k + m)
     bits = (rng.standard_normal((n, k)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
     w = (bits.astype(np.uint32) << 16).view(np.float32)  # the values those bf16 patterns hold

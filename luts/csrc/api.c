@@ -19,20 +19,23 @@ typedef struct {
     void (*gemm_i8)(const lut_weight *, const int8_t *, const float *, const int32_t *, int, int, int, float *, int);
     void (*int8_rows)(const float *, int, int, int, int8_t *, float *, int32_t *); /* its activations */
     void (*bf16_gemm)(const uint16_t *, int, int, const float *, int, int, int, float *); /* or NULL */
+    void (*bf16_xtb)(const float *, int, int, int, int, float *);                         /* its activations */
 } lut_isa;
 
 static const lut_isa ISA =
 #if defined(NPUMOE_ISA_AVX512)
     {"avx512", tables_avx512, gemv_avx512, dequant_tile_avx512, gemm_avx512, AVX512_MR, gemv_multi_avx512,
-     AVX512_GEMV_MR, gemm_i8_avx512, int8_rows_avx512, bf16_gemm_avx512};
+     AVX512_GEMV_MR, gemm_i8_avx512, int8_rows_avx512, bf16_gemm_avx512,
+     bf16_xtb_avx512};
 #elif defined(NPUMOE_ISA_AVX2)
     {"avx2", tables_avx2, gemv_avx2, dequant_tile_avx2, gemm_avx2, AVX2_MR, gemv_multi_avx2, AVX2_GEMV_MR, gemm_i8_avx2,
-     int8_rows_avx2, bf16_gemm_avx2};
+     int8_rows_avx2, bf16_gemm_avx2, bf16_xtb_avx2};
 #elif defined(NPUMOE_ISA_NEON)
     {"neon", tables_neon, gemv_neon, dequant_tile_neon, gemm_neon, NEON_MR, gemv_multi_neon, NEON_GEMV_MR, NULL, NULL,
-     bf16_gemm_neon};
+     bf16_gemm_neon, bf16_xtb_neon};
 #else
-    {"portable", tables_portable, gemv_portable, dequant_tile_portable, gemm_portable, 1, NULL, 1, NULL, NULL, NULL};
+    {"portable", tables_portable, gemv_portable, dequant_tile_portable, gemm_portable, 1, NULL, 1, NULL, NULL, NULL,
+     NULL};
 #endif
 
 NPUMOE_API const char *npumoe_lut_isa(void) { return ISA.name; }
@@ -263,10 +266,16 @@ NPUMOE_API int npumoe_lut_gemm(const lut_weight *w, const float *x, int m, float
 
 typedef struct {
     const uint16_t *w;
-    const float *xtb;
+    const float *x;
+    float *xtb;
     int n, k, m;
     float *y;
 } bf16_gemm_job;
+
+static void bf16_xtb_range(void *ctx, int blk0, int blk1) {
+    const bf16_gemm_job *job = ctx;
+    ISA.bf16_xtb(job->x, job->m, job->k, blk0, blk1, job->xtb);
+}
 
 static void bf16_gemm_range(void *ctx, int b0, int b1) {
     const bf16_gemm_job *job = ctx;
@@ -279,11 +288,10 @@ static void bf16_gemm_range(void *ctx, int b0, int b1) {
 NPUMOE_API int npumoe_bf16_gemm(const uint16_t *w, const float *x, int m, int n, int k, float *y, int threads) {
     if (!ISA.bf16_gemm || k % 16) return -2;
     const int blocks = (m + 15) / 16;
-    float *xtb = calloc((size_t)blocks * 16 * k, sizeof(float)); /* x transposed in blocks of 16 rows */
+    float *xtb = malloc((size_t)blocks * 16 * k * sizeof(float)); /* x transposed in blocks of 16 rows */
     if (!xtb) return -1;
-    for (int i = 0; i < m; i++)
-        for (int kk = 0; kk < k; kk++) xtb[((size_t)(i / 16) * k + kk) * 16 + i % 16] = x[(size_t)i * k + kk];
-    bf16_gemm_job job = {w, xtb, n, k, m, y};
+    bf16_gemm_job job = {w, x, xtb, n, k, m, y};
+    lut_parallel(bf16_xtb_range, &job, blocks, threads, 1);
     lut_parallel(bf16_gemm_range, &job, (n + BF16_GEMM_ROWS - 1) / BF16_GEMM_ROWS, threads, 1);
     free(xtb);
     return 0;

@@ -58,6 +58,20 @@ static inline float f_reduce_max(vf v) {
     return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 
+/* v[c] lane t = v[t] lane c, for c, t < 8. */
+static inline __attribute__((always_inline)) void f_transpose(vf v[8]) {
+    vf t[8], s[8];
+    for (int i = 0; i < 4; i++)
+        t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    for (int h = 0; h < 2; h++) /* within each 128-bit lane, inputs 4L + q of rows 4h .. 4h + 3 in s[4h + q] */
+        for (int i = 0; i < 2; i++) {
+            s[4 * h + 2 * i] = _mm256_shuffle_ps(t[4 * h + i], t[4 * h + 2 + i], 0x44);
+            s[4 * h + 2 * i + 1] = _mm256_shuffle_ps(t[4 * h + i], t[4 * h + 2 + i], 0xEE);
+        }
+    for (int q = 0; q < 4; q++)
+        v[q] = _mm256_permute2f128_ps(s[q], s[4 + q], 0x20), v[4 + q] = _mm256_permute2f128_ps(s[q], s[4 + q], 0x31);
+}
+
 static inline void store_run(int8_t *dst, const vf *t, vf inv) {
     __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(t[0], inv)), hi = _mm256_cvtps_epi32(_mm256_mul_ps(t[1], inv));
     __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8); /* entries 0..15 in order */

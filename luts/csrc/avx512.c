@@ -53,6 +53,28 @@ typedef struct {
     __m512i lo, hi; /* tables of runs 8t..8t+3 and 8t+4..8t+7 */
 } kt_tables;
 
+/* v[c] lane t = v[t] lane c, for c, t < 16: 4 × 4 transposes within 128-bit lanes, then of the lanes. */
+static inline __attribute__((always_inline)) void f_transpose(vf v[16]) {
+    vf t[16], u[16], w[16];
+    for (int i = 0; i < 8; i++)
+        t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    for (int g = 0; g < 4; g++) /* lane L of u[4g + q]: input 4L + q of rows 4g .. 4g + 3 */
+        for (int i = 0; i < 2; i++) {
+            u[4 * g + 2 * i] = _mm512_shuffle_ps(t[4 * g + i], t[4 * g + 2 + i], 0x44);
+            u[4 * g + 2 * i + 1] = _mm512_shuffle_ps(t[4 * g + i], t[4 * g + 2 + i], 0xEE);
+        }
+    for (int h = 0; h < 2; h++)
+        for (int q = 0; q < 4; q++) {
+            w[8 * h + q] = _mm512_shuffle_f32x4(u[8 * h + q], u[8 * h + 4 + q], 0x88);
+            w[8 * h + 4 + q] = _mm512_shuffle_f32x4(u[8 * h + q], u[8 * h + 4 + q], 0xDD);
+        }
+    for (int q = 0; q < 4; q++) {
+        v[q] = _mm512_shuffle_f32x4(w[q], w[8 + q], 0x88), v[8 + q] = _mm512_shuffle_f32x4(w[q], w[8 + q], 0xDD);
+        v[4 + q] = _mm512_shuffle_f32x4(w[4 + q], w[12 + q], 0x88);
+        v[12 + q] = _mm512_shuffle_f32x4(w[4 + q], w[12 + q], 0xDD);
+    }
+}
+
 static inline kt_tables load_tables(const void *tq, int kt) {
     const int8_t *at = (const int8_t *)tq + (size_t)kt * 128;
     kt_tables t = {_mm512_loadu_si512(at), _mm512_loadu_si512(at + 64)};

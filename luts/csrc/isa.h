@@ -13,7 +13,8 @@
                           int rows);                                                                             \
     void dequant_tile_##isa(const lut_weight *w, int rb, int kt, float *panel, int ld);                               \
     void gemm_##isa(const lut_weight *w, const float *xt, int m_pad, int m, int rb0, int rb1, float *y, int ldy);    \
-    void bf16_gemm_##isa(const uint16_t *w, int n, int k, const float *xtb, int m, int b0, int b1, float *y);
+    void bf16_gemm_##isa(const uint16_t *w, int n, int k, const float *xtb, int m, int b0, int b1, float *y); \
+    void bf16_xtb_##isa(const float *x, int m, int k, int blk0, int blk1, float *xtb);
 
 #define AVX512_MR 8 /* GEMM microkernel: 8 activation rows × 32 output rows */
 #define AVX2_MR 6   /* 6 × 16 */
@@ -26,7 +27,7 @@
 #define LUT_MAX_GEMV_MR 4
 
 /* bf16_gemm: y [m][n] = x · Wᵀ for weight blocks b0..b1-1 of 6 rows (W [n][k] bf16, k a multiple of 16), from xtb
- * (x transposed in blocks of 16 rows: [m_pad/16][k][16]). */
+ * (x transposed in blocks of 16 rows: [m_pad/16][k][16]), which bf16_xtb writes a range of blocks of. */
 #define BF16_GEMM_ROWS 6
 
 /* 3-4-bit weights × int8 activations, where the ISA has byte dot products (simd_kernels.h): int8_rows quantises

@@ -49,6 +49,15 @@ typedef int32x4_t vi;
 
 #define i_store(p, v) vst1q_u8((uint8_t *)(p), U8(v))
 
+/* v[c] lane t = v[t] lane c, for c, t < 4. */
+static inline __attribute__((always_inline)) void f_transpose(vf v[4]) {
+    const float32x4x2_t a = vtrnq_f32(v[0], v[1]), b = vtrnq_f32(v[2], v[3]);
+    for (int q = 0; q < 2; q++) {
+        v[q] = vcombine_f32(vget_low_f32(a.val[q]), vget_low_f32(b.val[q]));
+        v[2 + q] = vcombine_f32(vget_high_f32(a.val[q]), vget_high_f32(b.val[q]));
+    }
+}
+
 static inline vi i_u8(const uint8_t *p) {
     uint32_t four;
     memcpy(&four, p, sizeof four);

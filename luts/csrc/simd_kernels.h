@@ -365,41 +365,83 @@ void ISA(gemm)(const lut_weight *w, const float *xt, int m_pad, int m, int rb0, 
  * y = x · Wᵀ is exact fp32 arithmetic on the widened weights, in input order (torch's F.linear on W.float(), to
  * summation order). Widening again for every 16 activation rows costs an eighth of the multiply-adds' instructions,
  * on other ports; widening whole rows once left them in L2 (AVX2, 2 threads, 768x2048: 16 rows 0.31-0.46 -> 0.27 ms,
- * 64 rows 1.6 -> 1.0-1.4, 256 rows 6.8 -> 3.7-4.1; 4096x2048 unchanged). */
+ * 64 rows 1.6 -> 1.0-1.4, 256 rows 6.8 -> 3.7-4.1; 4096x2048 unchanged). A prompt's experts get ragged row counts and
+ * cold weights: a last block of at most 8 rows takes half the vectors (17-24 rows 0.46 -> 0.42 ms), and the pass that
+ * reads a block from memory asks for the next block's lines (16-48 rows, 48 cold 768x2048 matrices: 0.30-0.80 ->
+ * 0.27-0.77 ms a matrix). */
 #define BF16_NV (16 / W) /* vectors of activation rows a pass: 12 accumulators on AVX2, 24 on NEON */
-#define BF16_KC 256      /* inputs widened at a time: 6 KB */
+#define BF16_KC 256      /* inputs widened at a time: 6 KB a block */
 #define BF16_M_TILE 64   /* activation rows whose xᵀ blocks stay in L2 while a thread's weight blocks pass */
 
+/* Weight rows r0 .. r0+JR-1 (those below n) times NV vectors of activation rows from mb, over the whole of K,
+ * into y. (JR, NV) is (BF16_GEMM_ROWS, BF16_NV) for a full block of 16 activation rows, or twice the rows and half
+ * the vectors for a last block of at most 8 (SIMD widths below 16): as many accumulators, half the padding. With
+ * fetch_next, each widened run asks for the same inputs of the JR rows after these, which the next pass widens. */
+static inline __attribute__((always_inline)) void bf16_gemm_pass(const uint16_t *w, int n, int k, const float *xtb,
+                                                                 int m, int mb, int r0, const int JR, const int NV,
+                                                                 const int fetch_next, float (*wide)[BF16_KC],
+                                                                 float *y) {
+    const int rows = n - r0 < JR ? n - r0 : JR;
+    const uint16_t *src[2 * BF16_GEMM_ROWS]; /* (a short last block repeats its last row) */
+    for (int j = 0; j < JR; j++) src[j] = w + (size_t)(r0 + (j < rows ? j : rows - 1)) * k;
+    const float *xb = xtb + (size_t)mb * k;
+    vf c[2 * BF16_GEMM_ROWS][BF16_NV];
+    for (int j = 0; j < JR; j++)
+        for (int v = 0; v < NV; v++) c[j][v] = f_zero();
+    for (int k0 = 0; k0 < k; k0 += BF16_KC) {
+        const int kc = k - k0 < BF16_KC ? k - k0 : BF16_KC;
+        for (int j = 0; j < JR; j++) {
+            for (int kk = 0; kk < kc; kk += W) f_store(wide[j] + kk, f_bf16(src[j] + k0 + kk));
+            if (fetch_next && r0 + JR + j < n)
+                for (int kk = 0; kk < kc; kk += 32) __builtin_prefetch(src[j] + (size_t)JR * k + k0 + kk, 0, 2);
+        }
+        for (int kk = 0; kk < kc; kk++) {
+            vf x[BF16_NV];
+            for (int v = 0; v < NV; v++) x[v] = f_load(xb + (size_t)(k0 + kk) * 16 + v * W);
+            for (int j = 0; j < JR; j++) {
+                const vf a = f_set1(wide[j][kk]);
+                for (int v = 0; v < NV; v++) c[j][v] = f_fmadd(a, x[v], c[j][v]);
+            }
+        }
+    }
+    float tile[2 * BF16_GEMM_ROWS][16]; /* then each activation row's outputs as one short run */
+    for (int j = 0; j < JR; j++)
+        for (int v = 0; v < NV; v++) f_store(tile[j] + v * W, c[j][v]);
+    for (int i = 0; i < NV * W && mb + i < m; i++)
+        for (int j = 0; j < rows; j++) y[(size_t)(mb + i) * n + r0 + j] = tile[j][i];
+}
+
+/* xtb blocks blk0 .. blk1-1 from x [m][k], rows past m zero: W × W transposes, 16 / W a block for every W inputs.
+ * (Element by element on the calling thread, x [64][2048] took ~0.1 ms beside the 1 ms of its product with 768 rows;
+ * so on AVX2, ~0.03 ms with the threads.) */
+void ISA(bf16_xtb)(const float *x, int m, int k, int blk0, int blk1, float *xtb) {
+    for (int b = blk0; b < blk1; b++)
+        for (int h = 0; h < 16 / W; h++) {
+            const int r0 = 16 * b + h * W, rows = m - r0;
+            for (int kk = 0; kk < k; kk += W) {
+                vf v[W];
+                for (int t = 0; t < W; t++) v[t] = t < rows ? f_load(x + (size_t)(r0 + t) * k + kk) : f_zero();
+                f_transpose(v);
+                for (int c = 0; c < W; c++) f_store(xtb + ((size_t)b * k + kk + c) * 16 + h * W, v[c]);
+            }
+        }
+}
+
 void ISA(bf16_gemm)(const uint16_t *w, int n, int k, const float *xtb, int m, int b0, int b1, float *y) {
-    float wide[BF16_GEMM_ROWS][BF16_KC] __attribute__((aligned(64)));
+    enum { R = BF16_GEMM_ROWS, HALF = BF16_NV / 2 };
+    float wide[2 * R][BF16_KC] __attribute__((aligned(64)));
     for (int mt = 0; mt < m; mt += BF16_M_TILE)
-        for (int b = b0; b < b1; b++) {
-            const int r0 = b * BF16_GEMM_ROWS, rows = n - r0 < BF16_GEMM_ROWS ? n - r0 : BF16_GEMM_ROWS;
-            const uint16_t *src[BF16_GEMM_ROWS]; /* (a short last block repeats its last row) */
-            for (int j = 0; j < BF16_GEMM_ROWS; j++) src[j] = w + (size_t)(r0 + (j < rows ? j : rows - 1)) * k;
+        for (int b = b0; b < b1; b += 2) { /* blocks in pairs: a last activation block of ≤ 8 rows takes both */
+            const int r0 = b * R, pair = b + 1 < b1;
             for (int mb = mt; mb < m && mb < mt + BF16_M_TILE; mb += 16) {
-                const float *xb = xtb + (size_t)mb * k;
-                vf c[BF16_GEMM_ROWS][BF16_NV];
-                for (int j = 0; j < BF16_GEMM_ROWS; j++)
-                    for (int v = 0; v < BF16_NV; v++) c[j][v] = f_zero();
-                for (int k0 = 0; k0 < k; k0 += BF16_KC) {
-                    const int kc = k - k0 < BF16_KC ? k - k0 : BF16_KC;
-                    for (int j = 0; j < BF16_GEMM_ROWS; j++)
-                        for (int kk = 0; kk < kc; kk += W) f_store(wide[j] + kk, f_bf16(src[j] + k0 + kk));
-                    for (int kk = 0; kk < kc; kk++) {
-                        vf x[BF16_NV];
-                        for (int v = 0; v < BF16_NV; v++) x[v] = f_load(xb + (size_t)(k0 + kk) * 16 + v * W);
-                        for (int j = 0; j < BF16_GEMM_ROWS; j++) {
-                            const vf a = f_set1(wide[j][kk]);
-                            for (int v = 0; v < BF16_NV; v++) c[j][v] = f_fmadd(a, x[v], c[j][v]);
-                        }
-                    }
-                }
-                float tile[BF16_GEMM_ROWS][16]; /* then each activation row's outputs as one short run */
-                for (int j = 0; j < BF16_GEMM_ROWS; j++)
-                    for (int v = 0; v < BF16_NV; v++) f_store(tile[j] + v * W, c[j][v]);
-                for (int i = 0; i < 16 && mb + i < m; i++)
-                    for (int j = 0; j < rows; j++) y[(size_t)(mb + i) * n + r0 + j] = tile[j][i];
+                const int from_memory = mb == mt; /* this tile's first pass over the block reads it from memory */
+                if (HALF && m - mb <= 8 && pair)
+                    bf16_gemm_pass(w, n, k, xtb, m, mb, r0, 2 * R, HALF, from_memory, wide, y);
+                else if (HALF && m - mb <= 8)
+                    bf16_gemm_pass(w, n, k, xtb, m, mb, r0, R, HALF, from_memory, wide, y);
+                else
+                    for (int h = 0; h <= pair; h++)
+                        bf16_gemm_pass(w, n, k, xtb, m, mb, r0 + h * R, R, BF16_NV, from_memory, wide, y);
             }
         }
 }

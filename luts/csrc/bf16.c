@@ -9,6 +9,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__) || defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 #include "lut.h"
 
@@ -33,8 +36,8 @@ typedef uint32_t uvec __attribute__((vector_size(VL * 4)));
 
 /* VL 32-bit words of bf16 pairs widen with no shuffle: the even element of each pair is the
  * word shifted left 16, the odd one the word with its low half cleared. So x is split once into
- * its even and odd elements, and every weight costs a load, a shift or an and, a multiply and an
- * add (a zero-extending widen needs cross-lane shuffles, one port's worth, and ran at a third). */
+ * its even and odd elements, and every weight costs a load, a shift or an and, and a multiply-add
+ * (a zero-extending widen needs cross-lane shuffles, one port's worth, and ran at a third). */
 static inline void widen_pairs(const uint16_t *p, fvec *even, fvec *odd) {
     uvec w, lo, hi;
     memcpy(&w, p, sizeof w);
@@ -42,6 +45,18 @@ static inline void widen_pairs(const uint16_t *p, fvec *even, fvec *odd) {
     hi = w & 0xffff0000u;
     memcpy(even, &lo, sizeof *even);
     memcpy(odd, &hi, sizeof *odd);
+}
+
+/* c + a·b, fused where the build has FMA: one instruction for two (2 threads, 2-16 rows of 768 x 2048: AVX-512
+ * 0.72-0.87 of the time, AVX2 cold matrices 0.90-0.98; one row, which reading bounds, unchanged). */
+static inline fvec fma_(fvec a, fvec b, fvec c) {
+#if defined(__AVX512F__)
+    return _mm512_fmadd_ps(a, b, c);
+#elif defined(__FMA__) && VL == 8
+    return _mm256_fmadd_ps(a, b, c);
+#else
+    return c + a * b;
+#endif
 }
 
 static inline float hsum(fvec v) {
@@ -84,7 +99,8 @@ static void bf16_block_pair(const bf16_job *job, int i, const uint16_t *const *w
         memcpy(&xe1, xs1 + kk, sizeof xe1), memcpy(&xo1, xs1 + kk + VL, sizeof xo1);
         for (int j = 0; j < BF16_ROWS; j++) {
             widen_pairs(w[j] + kk, &e, &o);
-            ev0[j] += e * xe0, od0[j] += o * xo0, ev1[j] += e * xe1, od1[j] += o * xo1;
+            ev0[j] = fma_(e, xe0, ev0[j]), od0[j] = fma_(o, xo0, od0[j]);
+            ev1[j] = fma_(e, xe1, ev1[j]), od1[j] = fma_(o, xo1, od1[j]);
         }
     }
     bf16_store(job, i, r, rows, w, ev0, od0);
@@ -104,7 +120,7 @@ static void bf16_row(const bf16_job *job, int r, const uint16_t *w) {
         fvec xe, xo;
         memcpy(&xe, job->split + kk, sizeof xe);
         memcpy(&xo, job->split + kk + VL, sizeof xo);
-        widen_pairs(w + kk, &e, &o), even += e * xe, odd += o * xo;
+        widen_pairs(w + kk, &e, &o), even = fma_(e, xe, even), odd = fma_(o, xo, odd);
     }
     bf16_store(job, 0, r, 1, &w, &even, &odd);
 }
@@ -139,10 +155,10 @@ static void bf16_block(const bf16_job *job, int r) {
             fvec xe, xo;
             memcpy(&xe, xs + kk, sizeof xe);
             memcpy(&xo, xs + kk + VL, sizeof xo);
-            widen_pairs(w[0] + kk, &e, &o), a0 += e * xe, a1 += o * xo;
-            widen_pairs(w[1] + kk, &e, &o), b0 += e * xe, b1 += o * xo;
-            widen_pairs(w[2] + kk, &e, &o), c0 += e * xe, c1 += o * xo;
-            widen_pairs(w[3] + kk, &e, &o), d0 += e * xe, d1 += o * xo;
+            widen_pairs(w[0] + kk, &e, &o), a0 = fma_(e, xe, a0), a1 = fma_(o, xo, a1);
+            widen_pairs(w[1] + kk, &e, &o), b0 = fma_(e, xe, b0), b1 = fma_(o, xo, b1);
+            widen_pairs(w[2] + kk, &e, &o), c0 = fma_(e, xe, c0), c1 = fma_(o, xo, c1);
+            widen_pairs(w[3] + kk, &e, &o), d0 = fma_(e, xe, d0), d1 = fma_(o, xo, d1);
         }
         const fvec even[BF16_ROWS] = {a0, b0, c0, d0}, odd[BF16_ROWS] = {a1, b1, c1, d1};
         bf16_store(job, i, r, rows, w, even, odd);

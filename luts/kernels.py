@@ -28,7 +28,8 @@ _P, _I, _W = ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(NativeWeight)
 
 
 class Bf16Task(ctypes.Structure):
-    """One GEMV of ``npumoe_bf16_gemv_many``: W [n, k] bf16, x [m, k] and y [m, n] fp32, by address."""
+    """One product of ``npumoe_bf16_gemv_many`` and the GEMMs': W [n, k] bf16, x [m, k] and y [m, n] fp32, by
+    address."""
 
     _fields_ = [("w", _P), ("x", _P), ("y", _P), ("m", _I), ("n", _I), ("k", _I)]
 
@@ -99,6 +100,7 @@ _SIGNATURES = {
     "npumoe_bf16_gemv_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
     "npumoe_bf16_dot_available": ([], ctypes.c_int),
     "npumoe_bf16_gemm": ([_P, _P, _I, _I, _I, _P, _I], ctypes.c_int),
+    "npumoe_bf16_gemm_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
     "npumoe_bf16_dot_gemm_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
     "npumoe_lut_gemv_many": ([ctypes.POINTER(LutTask), _I, _I, _I], ctypes.c_int),
     "npumoe_swiglu_experts": ([ctypes.POINTER(ctypes.POINTER(Swiglu)), _P, _I, _P, _P, _I], ctypes.c_int),
@@ -280,7 +282,15 @@ class NativeCalls:
     def bf16_gemm_at(self, w: int, x: int, m: int, n: int, k: int, y: int, threads: int) -> None:
         """The bf16 GEMM (exact fp32 on the widened weights; SIMD builds, K a multiple of 16) on raw addresses, as
         :meth:`bf16_gemv_at`."""
-        status = self.lib.npumoe_bf16_gemm(w, x, m, n, k, y, threads)
+        self._gemm_status(self.lib.npumoe_bf16_gemm(w, x, m, n, k, y, threads))
+
+    def bf16_gemm_many_at(self, tasks: list[tuple[int, int, int, int, int, int]], threads: int) -> None:
+        """Several bf16 GEMMs, tasks as in :meth:`bf16_gemv_many_at`, in one parallel job (a prompt's experts, and
+        one transposed x for the tasks that share it)."""
+        self._gemm_status(self.lib.npumoe_bf16_gemm_many((Bf16Task * len(tasks))(*tasks), len(tasks), threads))
+
+    @staticmethod
+    def _gemm_status(status: int) -> None:
         if status == -2:
             raise BackendUnavailableError("the bf16 GEMM needs a SIMD build of the kernels (this one is portable C).")
         if status:

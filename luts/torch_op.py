@@ -192,23 +192,20 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
 
 def bf16_linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
     """``bf16_linear`` of each (x, W) pair the kernels take, in one kernel call per path (the GEMV, the dot-product
-    GEMM); None in the place of a pair they do not take (the caller runs that one its own way), and None for all
-    when they take none or the kernels run emulated."""
+    GEMM, the widening GEMM); None in the place of a pair they do not take (the caller runs that one its own way),
+    and None for all when they take none or the kernels run emulated."""
     calls = _kernels().calls
     paths = [_bf16_path(x, w) for x, w in zip(xs, ws)]
     if not hasattr(calls, "bf16_gemv_many_at") or not any(paths):
         return None
     xs = [x.contiguous() if path else x for x, path in zip(xs, paths)]
     ys = [torch.empty(*x.shape[:-1], w.shape[0]) if path else None for x, w, path in zip(xs, ws, paths)]
-    for path, run in (("gemv", calls.bf16_gemv_many_at), ("dot", getattr(calls, "bf16_dot_gemm_many_at", None))):
+    for path, run in (("gemv", calls.bf16_gemv_many_at), ("dot", getattr(calls, "bf16_dot_gemm_many_at", None)),
+                      ("gemm", calls.bf16_gemm_many_at)):
         tasks = [(w.data_ptr(), x.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], *w.shape)
                  for x, w, y, p in zip(xs, ws, ys, paths) if p == path]
         if tasks:
             run(tasks, kernel_threads())
-    for x, w, y, path in zip(xs, ws, ys, paths):  # (one call each: each fills both threads on its own)
-        if path == "gemm":
-            calls.bf16_gemm_at(w.data_ptr(), x.data_ptr(), x.numel() // x.shape[-1], *w.shape, y.data_ptr(),
-                               kernel_threads())
     return ys
 
 

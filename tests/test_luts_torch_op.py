@@ -160,17 +160,18 @@ def test_bf16_rows_computed_together_equal_each_row_alone(rows, outputs, inputs,
 
 @pytest.mark.parametrize("dot", [True, False], ids=["with-dot", "without-dot"])
 def test_bf16_linears_batched_in_one_call_equal_each_alone(dot, monkeypatch):
-    """Several (x, W) pairs of different shapes in one kernel call per path (the widening GEMM: a call each) give
-    what each call alone gives, bit for bit, and their path's truth within float rounding; a pair the kernels
-    cannot take comes back as None, the others computed."""
+    """Several (x, W) pairs of different shapes in one kernel call per path, two of them sharing their x (as an
+    expert's gate and up do), give what each call alone gives, bit for bit, and their path's truth within float
+    rounding; a pair the kernels cannot take comes back as None, the others computed."""
     from npumoe.luts.torch_op import BF16_GEMV_MAX_ROWS, _kernels, bf16_linear, bf16_linear_many
 
     if not dot:
         monkeypatch.setattr(torch_op, "BF16_DOT_FROM", 1 << 30)
     torch.manual_seed(3)
-    shapes = [(1, 70, 96), (3, 1024, 64), (2, 5, 208), (16, 40, 32), (9, 30, 64), (50, 20, 48)]  # rows, out, in
+    shapes = [(1, 70, 96), (3, 1024, 64), (2, 5, 208), (16, 40, 32), (9, 30, 64), (20, 12, 32), (50, 20, 48)]  # m, n, k
     xs = [torch.randn(m, k) for m, _, k in shapes]
     ws = [torch.randn(n, k).to(torch.bfloat16) for _, n, k in shapes]
+    xs.insert(4, xs[3]), ws.insert(4, torch.randn(24, 32).to(torch.bfloat16))  # 16 rows: the GEMM's, on SIMD builds
     batched = bf16_linear_many(xs, ws)
     for x, w, y in zip(xs, ws, batched):
         assert (y is None) == (torch_op._bf16_path(x, w) is None)  # (50 rows: no GEMV or GEMM on portable builds)

@@ -272,29 +272,58 @@ typedef struct {
     float *y;
 } bf16_gemm_job;
 
-static void bf16_xtb_range(void *ctx, int blk0, int blk1) {
-    const bf16_gemm_job *job = ctx;
+static void bf16_xtb_span(void *ctx, int t, int blk0, int blk1) {
+    const bf16_gemm_job *job = (const bf16_gemm_job *)ctx + t;
     ISA.bf16_xtb(job->x, job->m, job->k, blk0, blk1, job->xtb);
 }
 
-static void bf16_gemm_range(void *ctx, int b0, int b1) {
-    const bf16_gemm_job *job = ctx;
+static void bf16_gemm_span(void *ctx, int t, int b0, int b1) {
+    const bf16_gemm_job *job = (const bf16_gemm_job *)ctx + t;
     ISA.bf16_gemm(job->w, job->n, job->k, job->xtb, job->m, b0, b1, job->y);
 }
 
-/* y [m][n] = x [m][k] · Wᵀ for W [n][k] bf16, k a multiple of 16: exact fp32 arithmetic on the widened weights (a
- * bf16 prompt where the CPU has no bf16 dot products). Returns -2 where this build has no such kernel, -1 if it
- * cannot allocate. */
-NPUMOE_API int npumoe_bf16_gemm(const uint16_t *w, const float *x, int m, int n, int k, float *y, int threads) {
-    if (!ISA.bf16_gemm || k % 16) return -2;
-    const int blocks = (m + 15) / 16;
-    float *xtb = malloc((size_t)blocks * 16 * k * sizeof(float)); /* x transposed in blocks of 16 rows */
-    if (!xtb) return -1;
-    bf16_gemm_job job = {w, x, xtb, n, k, m, y};
-    lut_parallel(bf16_xtb_range, &job, blocks, threads, 1);
-    lut_parallel(bf16_gemm_range, &job, (n + BF16_GEMM_ROWS - 1) / BF16_GEMM_ROWS, threads, 1);
-    free(xtb);
+/* For each task, y [m][n] = x [m][k] · Wᵀ for W [n][k] bf16, k a multiple of 16: exact fp32 arithmetic on the
+ * widened weights (a bf16 prompt where the CPU has no bf16 dot products). All tasks in two parallel jobs: every
+ * distinct x transposed (an expert's gate and up share theirs), then every matrix's weight blocks, so that a
+ * prompt's experts, a few rows each, fill the threads together. Returns -2 where this build has no such kernel or
+ * a k is not a multiple of 16, -1 if it cannot allocate. */
+NPUMOE_API int npumoe_bf16_gemm_many(const npumoe_bf16_task *tasks, int count, int threads) {
+    if (!ISA.bf16_gemm) return -2;
+    size_t floats = 1, x_bytes = 0, weight_bytes = 0;
+    for (int t = 0; t < count; t++) {
+        if (tasks[t].k % 16) return -2;
+        floats += (size_t)(tasks[t].m + 15) / 16 * 16 * tasks[t].k;
+    }
+    float *xtb = malloc(sizeof(float) * floats); /* each x transposed in blocks of 16 rows */
+    bf16_gemm_job *jobs = malloc(sizeof(bf16_gemm_job) * (count + 1));
+    int *first_x = malloc(sizeof(int) * (count + 1)), *first_w = malloc(sizeof(int) * (count + 1));
+    if (!xtb || !jobs || !first_x || !first_w) {
+        free(xtb), free(jobs), free(first_x), free(first_w);
+        return -1;
+    }
+    float *at = xtb;
+    first_x[0] = first_w[0] = 0;
+    for (int t = 0; t < count; t++) {
+        const npumoe_bf16_task *task = &tasks[t];
+        const int blocks = (task->m + 15) / 16;
+        int same = -1; /* an earlier task with this very x */
+        for (int u = 0; u < t && same < 0; u++)
+            if (tasks[u].x == task->x && tasks[u].m == task->m && tasks[u].k == task->k) same = u;
+        jobs[t] = (bf16_gemm_job){task->w, task->x, same < 0 ? at : jobs[same].xtb, task->n, task->k, task->m, task->y};
+        if (same < 0) at += (size_t)blocks * 16 * task->k, x_bytes += (size_t)blocks * 16 * task->k * sizeof(float);
+        first_x[t + 1] = first_x[t] + (same < 0 ? blocks : 0);
+        first_w[t + 1] = first_w[t] + (task->n + BF16_GEMM_ROWS - 1) / BF16_GEMM_ROWS;
+        weight_bytes += (size_t)task->n * task->k * sizeof(uint16_t);
+    }
+    lut_parallel_tasks(bf16_xtb_span, jobs, first_x, count, x_bytes, threads);
+    lut_parallel_tasks(bf16_gemm_span, jobs, first_w, count, weight_bytes, threads);
+    free(xtb), free(jobs), free(first_x), free(first_w);
     return 0;
+}
+
+NPUMOE_API int npumoe_bf16_gemm(const uint16_t *w, const float *x, int m, int n, int k, float *y, int threads) {
+    const npumoe_bf16_task task = {w, x, y, m, n, k};
+    return npumoe_bf16_gemm_many(&task, 1, threads);
 }
 
 typedef struct {

@@ -108,6 +108,7 @@ typedef struct { /* W [n][k] bf16, x [m][k] and y [m][n] fp32, all row-major */
 NPUMOE_API int npumoe_bf16_gemv_many(const npumoe_bf16_task *tasks, int count, int threads);
 NPUMOE_API int npumoe_bf16_dot_available(void);
 NPUMOE_API int npumoe_bf16_dot_gemm_many(const npumoe_bf16_task *tasks, int count, int threads);
+NPUMOE_API int npumoe_bf16_gemm_many(const npumoe_bf16_task *tasks, int count, int threads);
 
 /* Thread pool: fn(ctx, begin, end) over contiguous chunks covering [0, units), of at least min_chunk
  * (≥ 1) units where there are enough for one chunk per thread. */

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from npumoe.core.backend import check_feed
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op, Role
 from npumoe.luts.decode import swiglu_expert, swiglu_experts
-from npumoe.luts.torch_op import bf16_linear, bf16_linear_many, lut_linear_many, torch_threads_back
+from npumoe.luts.torch_op import bf16_linear, bf16_linear_many, held_threads, lut_linear_many, on_held_threads
 
 
 def _rmsnorm(x, w, *, eps):
@@ -46,30 +46,34 @@ def _rope(x, cos, sin, *, rotary_dim, interleaved):
     return torch.cat((_rotate(rot, cos, sin, interleaved), rest), dim=-1)
 
 
-# Attention work (query elements × keys) from which attention takes torch's threads back inside
-# torch_on_one_thread. A second thread halves the products, but torch's OpenMP workers then spin for milliseconds
-# on the core the next kernel call needs (2 cores, bf16 Qwen3 widths, 64 queries × 32 heads × 128: AVX2 1 → 2
-# threads saves 0.9 ms at 128 keys and 4 ms at 512 while the spinning costs the next product ~4 ms; a 256-token
-# prefill 466-475 → 422-432 ms on one thread, and on AVX-512 the same within noise; at 1536 tokens AVX-512 is
-# 12 % faster with the threads back).
-THREADED_ATTENTION_FROM = 1 << 27
+QUERIES_A_THREAD = 8  # query positions, at least, a thread's share of a split prompt attention
 
 
-def _threaded_when_large(keys: Callable[..., int]) -> Callable[[Callable], Callable]:
-    """Attention on torch's threads even where the kernels hold torch on one, when its work (query elements
-    × ``keys(*args)``) reaches THREADED_ATTENTION_FROM: a long prompt's, not a short prompt's or a decode step's."""
-    def threaded(attention: Callable) -> Callable:
+def _queries_on_held_threads(mask_at: int) -> Callable[[Callable], Callable]:
+    """A prompt's attention split by query positions across the threads torch_on_one_thread holds, a part a thread
+    (torch_op.on_held_threads): the positions are independent, so the result is the same, and no OpenMP worker is
+    left spinning on the next kernel's core, as after torch's own threaded ops. bf16 Qwen3 widths, 2 threads, against
+    giving the attention torch's threads back only when it was long: 256-token prefill AVX2 419-421 → 350-367 ms,
+    AVX-512 193-194 → 178-188; 1536 tokens AVX2 2678-2802 → 2258-2313, AVX-512 1375-1383 → 1211-1242.
+    ``mask_at``: the mask's place among the arguments after the queries."""
+    def split(attention: Callable) -> Callable:
         @functools.wraps(attention)
         def run(q, *args, **attrs):
-            if q.numel() * keys(*args) < THREADED_ATTENTION_FROM:
+            seq, mask = q.shape[-2], args[mask_at]
+            parts = min(held_threads(), seq // QUERIES_A_THREAD)
+            if parts < 2 or mask.shape[0] != seq:
                 return attention(q, *args, **attrs)
-            with torch_threads_back():
-                return attention(q, *args, **attrs)
+            bounds = [seq * i // parts for i in range(parts + 1)]
+
+            def part(a: int, b: int) -> torch.Tensor:
+                return attention(q[..., a:b, :], *args[:mask_at], mask[a:b], *args[mask_at + 1:], **attrs)
+            return torch.cat(on_held_threads([functools.partial(part, a, b) for a, b in zip(bounds, bounds[1:])]),
+                             dim=-2)
         return run
-    return threaded
+    return split
 
 
-@_threaded_when_large(keys=lambda k, *_: k.shape[-2])
+@_queries_on_held_threads(mask_at=2)
 def _sdpa(q, k, v, mask, sinks=None, *, scale):
     groups = q.shape[0] // k.shape[0]
     if groups > 1:  # (a copy of the whole cache: skipped when every query head has its own)
@@ -84,7 +88,7 @@ def _sdpa(q, k, v, mask, sinks=None, *, scale):
     return torch.matmul(probs, v)
 
 
-@_threaded_when_large(keys=lambda k_old, k_new, *_: k_old.shape[-2] + k_new.shape[-2])
+@_queries_on_held_threads(mask_at=4)
 def _sdpa_over_parts(q, k_old, k_new, v_old, v_new, mask, sinks=None, *, scale):
     """``sdpa(q, concat(k_old, k_new), concat(v_old, v_new), mask, sinks)`` without building either
     concatenation (at decode each would copy the layer's whole KV cache) and with grouped-query heads

@@ -11,7 +11,8 @@ dequantising each weight once.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import numpy as np
@@ -57,7 +58,8 @@ def torch_on_one_thread() -> Iterator[None]:
     """Torch's own ops on one thread while the kernels keep torch's thread count. In a decode step whose
     matrices the kernels read, torch is left with small ops that gain nothing from threads, and its OpenMP
     workers spin for about a millisecond after each one on the core a kernel's worker needs (OLMoE-1B-7B,
-    bf16, 2 cores: 160 -> 126 ms/token). A long prompt's attention takes torch's threads back (torch_threads_back)."""
+    bf16, 2 cores: 160 -> 126 ms/token). A prompt's attention, the one large product left to torch, runs its
+    query positions on the held threads instead (:func:`on_held_threads`)."""
     global _held_threads
     if _held_threads is not None:
         yield
@@ -71,20 +73,25 @@ def torch_on_one_thread() -> Iterator[None]:
         _held_threads = None
 
 
-@contextmanager
-def torch_threads_back() -> Iterator[None]:
-    """Torch's own thread count again inside a torch_on_one_thread block: for a long prompt's attention, the one
-    large product torch keeps when the kernels take a prompt's matrices (2 Zen 4 cores, bf16 Qwen3 widths, 1536
-    tokens: 12 % faster than on one thread). Which attention is long enough: interpreter.THREADED_ATTENTION_FROM."""
-    held = _held_threads
-    if held is None:
-        yield
-        return
-    torch.set_num_threads(held)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(1)
+_helpers: ThreadPoolExecutor | None = None
+
+
+def on_held_threads(pieces: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
+    """Each piece's result, the pieces run side by side on the threads torch_on_one_thread holds (torch on one
+    thread in each: no OpenMP worker is left spinning after them, as after a threaded torch op, on the core the
+    next kernel call needs). One piece per thread at most; the first runs on the caller."""
+    global _helpers
+    if len(pieces) > kernel_threads():
+        raise ValueError(f"{len(pieces)} pieces for {kernel_threads()} threads")
+    if _helpers is None or _helpers._max_workers < len(pieces) - 1:
+        _helpers = ThreadPoolExecutor(max(1, len(pieces) - 1), thread_name_prefix="npumoe-attention")
+    others = [_helpers.submit(piece) for piece in pieces[1:]]
+    return [pieces[0](), *(other.result() for other in others)]
+
+
+def held_threads() -> int:
+    """The threads a torch_on_one_thread block holds for the kernels (and :func:`on_held_threads`); 1 outside."""
+    return _held_threads or 1
 
 
 def bf16_dot_available() -> bool:

@@ -1,5 +1,7 @@
 """npumoe::lut_linear against the numpy spec, and torch.export of a module that uses it."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -205,28 +207,41 @@ def test_packed_linears_batched_in_one_call_equal_each_alone():
     assert lut_linear_many([*xs[:-1], torch.randn(2, 96)], linears) is None
 
 
-def test_large_attention_takes_torchs_threads_back():
-    """Inside torch_on_one_thread torch runs on one thread, but attention whose work (query elements × keys) reaches
-    THREADED_ATTENTION_FROM gets torch's own count back for its products, and one thread again after; a short
-    prompt's and a decode step's attention stay on one."""
-    from npumoe.core.interpreter import THREADED_ATTENTION_FROM, _threaded_when_large
+def test_a_prompts_attention_splits_its_queries_across_the_held_threads():
+    """Inside torch_on_one_thread a prompt's attention runs its query positions in parts, one a held thread (the
+    first on the caller), with the same result as in one piece; a decode query, a short prompt and attention outside
+    the block run whole on the caller."""
+    from npumoe.core.interpreter import OP_IMPLS, QUERIES_A_THREAD, _queries_on_held_threads
 
     before = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
         seen = []
-        attention = _threaded_when_large(keys=lambda k: k.shape[-2])(
-            lambda q, k: seen.append(torch.get_num_threads()))
-        queries = torch.zeros(4, 64, 128)  # heads, queries, dim: a prompt's chunk
-        keys_from = THREADED_ATTENTION_FROM // queries.numel()
+
+        def attend(q, mask):  # records its thread, query count, mask rows and first query value
+            seen.append((threading.get_ident(), q.shape[-2], mask.shape[0], q[0, 0, 0]))
+            return q[..., :1] + mask
+        attention = _queries_on_held_threads(mask_at=0)(attend)
+        prompt, decode = torch.randn(4, 40, 16), torch.randn(4, 1, 16)
         with torch_op.torch_on_one_thread():
-            assert torch.get_num_threads() == 1 and torch_op.kernel_threads() == 3
-            attention(queries, torch.zeros(1, keys_from, 128))  # a long prompt's chunk
-            after_prompt = torch.get_num_threads()
-            attention(queries, torch.zeros(1, keys_from - 1, 128))  # a short prompt's
-            attention(torch.zeros(4, 1, 128), torch.zeros(1, keys_from, 128))  # a decode step
-        assert seen == [3, 1, 1] and after_prompt == 1
-        attention(queries, torch.zeros(1, keys_from, 128))  # outside the block: torch's count, untouched
-        assert seen[-1] == 3 and torch.get_num_threads() == 3
+            y = attention(prompt, torch.randn(40, 1))
+            split, seen[:] = list(seen), []
+            attention(decode, torch.randn(1, 1))
+            attention(prompt[:, :2 * QUERIES_A_THREAD - 1], torch.randn(2 * QUERIES_A_THREAD - 1, 1))
+            whole = list(seen)
+        assert y.shape == (4, 40, 1) and sorted(n for _, n, _, _ in split) == [13, 13, 14]
+        assert all(n == m for _, n, m, _ in split)
+        caller = threading.get_ident()  # the first part on the caller, the others on helper threads
+        assert [t == caller for t, _, _, first in split] == [bool(first == prompt[0, 0, 0]) for *_, first in split]
+        assert [n for _, n, _, _ in whole] == [1, 2 * QUERIES_A_THREAD - 1] and {t for t, *_ in whole} == {caller}
+        seen.clear(), attention(prompt, torch.randn(40, 1))  # outside the block: whole
+        assert [n for _, n, _, _ in seen] == [40]
+
+        q, k, v = torch.randn(8, 40, 16), torch.randn(2, 56, 16), torch.randn(2, 56, 16)
+        mask = torch.triu(torch.full((40, 56), -torch.inf), diagonal=17)
+        fused = OP_IMPLS["sdpa"]
+        with torch_op.torch_on_one_thread():
+            together = fused(q, k, v, mask, scale=0.25)
+        torch.testing.assert_close(together, fused.__wrapped__(q, k, v, mask, scale=0.25), rtol=0, atol=1e-6)
     finally:
         torch.set_num_threads(before)

@@ -264,8 +264,8 @@ class Engine:
 
     def _prompt_threads(self):
         """Where the kernels take a prompt's matrix products too (bf16 matrices on the dot-product or the widening
-        GEMM), torch keeps one thread but for a long prompt's attention (torch_threads_back), as in decode;
-        otherwise all its threads."""
+        GEMM), torch keeps one thread, as in decode, and the attention splits its queries across the kernels'
+        threads; otherwise all its threads."""
         kernels_take = self.model.weights.dtype == torch.bfloat16 and kernels_take_bf16_prompts()
         return torch_on_one_thread() if kernels_take else contextlib.nullcontext()
 

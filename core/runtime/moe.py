@@ -259,19 +259,24 @@ class MoELayer:
             return gates[None].to(z.dtype) @ torch.cat([r["y"] for r in results])  # [1, k] @ [k, H]
 
     def _run_compact(self, z: torch.Tensor, d: Dispatch, pairs_mask: torch.Tensor, m: Metrics) -> torch.Tensor:
-        """CPU path on exactly the given (token, expert) pairs: spilled tokens and cold experts."""
+        """CPU path on exactly the given (token, expert) pairs: spilled tokens and cold experts. The pairs are
+        sorted by expert once, so each expert's rows are one slice of a single gather (a mask and a gather per
+        expert cost a prompt's 128 experts ~4 ms)."""
         out = torch.zeros_like(z)
         pairs = pairs_mask.nonzero().flatten()
         with m.time("cpu_expert_ffn"):
-            experts = torch.unique(d.expert[pairs]).tolist()
-            mine = [pairs[d.expert[pairs] == e] for e in experts]
+            pairs = pairs[torch.argsort(d.expert[pairs], stable=True)]
+            experts, counts = torch.unique_consecutive(d.expert[pairs], return_counts=True)
+            experts, counts = experts.tolist(), counts.tolist()
             executors = [self.expert_executors[e] for e in experts]
-            inputs = [{"x": z[d.token[pairs_e]]} for pairs_e in mine]
+            tokens = d.token[pairs]
+            inputs = [{"x": x} for x in torch.split(z[tokens], counts)]
             with m.running([self._cpu_names[e] for e in experts]):
                 results = _run_side_by_side(executors, inputs)
             self._count_cpu_calls(len(experts), m)
-            for pairs_e, result in zip(mine, results):
-                out.index_add_(0, d.token[pairs_e], result["y"] * d.weight[pairs_e, None])
+            for rows, gates, result in zip(torch.split(tokens, counts), torch.split(d.weight[pairs, None], counts),
+                                           results):
+                out.index_add_(0, rows, result["y"] * gates)
         return out
 
     def _reroute(self, d: Dispatch, layout: Layout, experts: torch.Tensor, logits: torch.Tensor,

@@ -359,56 +359,40 @@ void ISA(gemm)(const lut_weight *w, const float *xt, int m_pad, int m, int rb0, 
 
 /* ---- bf16 GEMM: a bf16 model's prompt where the CPU has no bf16 dot products ----
  *
- * The weights take the broadcast side: BF16_GEMM_ROWS (6) rows, widened BF16_KC inputs at a time into an L1
- * scratch, each input a broadcast, times 16 activation rows from xᵀ blocks (xtb [m_pad/16][k][16], zero-padded),
- * the accumulators kept over the whole of K. Nothing is transposed but the activations (once, by the caller), and
- * y = x · Wᵀ is exact fp32 arithmetic on the widened weights, in input order (torch's F.linear on W.float(), to
- * summation order). Widening again for every 16 activation rows costs an eighth of the multiply-adds' instructions,
- * on other ports; widening whole rows once left them in L2 (AVX2, 2 threads, 768x2048: 16 rows 0.31-0.46 -> 0.27 ms,
- * 64 rows 1.6 -> 1.0-1.4, 256 rows 6.8 -> 3.7-4.1; 4096x2048 unchanged). A prompt's experts get ragged row counts and
- * cold weights: a last block of at most 8 rows takes half the vectors (17-24 rows 0.46 -> 0.42 ms), and the pass that
- * reads a block from memory asks for the next block's lines (16-48 rows, 48 cold 768x2048 matrices: 0.30-0.80 ->
- * 0.27-0.77 ms a matrix). */
+ * The weights take the broadcast side: a pair of blocks of BF16_GEMM_ROWS (6) rows, widened BF16_KC inputs at a
+ * time into an L1 scratch, each input a broadcast, times 16 activation rows from xᵀ blocks (xtb [m_pad/16][k][16],
+ * zero-padded). Nothing is transposed but the activations (bf16_xtb), and y = x · Wᵀ is exact fp32 arithmetic on the
+ * widened weights, in input order (torch's F.linear on W.float(), to summation order). Each chunk is widened once
+ * for all the activation blocks of a BF16_M_TILE tile, whose accumulators go to a small scratch between chunks; when
+ * a pass widened its rows for every 16 activation rows, the widening's instructions held the multiply-adds to 80 % of
+ * the FMA ports' rate (AVX2, 2 threads, hot: 64x768x2048 0.98 -> 0.78 ms, 256x4096x2048 19.1 -> 17.2; the ports
+ * run ~138 GMAC/s). A prompt's experts get ragged row counts and cold weights: a last block of at most 8 rows takes
+ * half the vectors (17-24 rows 0.46 -> 0.42 ms), and widening a chunk asks for the next pair's same inputs (16-48
+ * rows, 48 cold 768x2048 matrices: 0.30-0.80 -> 0.27-0.77 ms a matrix, and with the chunks 0.24-0.60). */
 #define BF16_NV (16 / W) /* vectors of activation rows a pass: 12 accumulators on AVX2, 24 on NEON */
-#define BF16_KC 256      /* inputs widened at a time: 6 KB a block */
-#define BF16_M_TILE 64   /* activation rows whose xᵀ blocks stay in L2 while a thread's weight blocks pass */
+#define BF16_KC 256      /* inputs widened at a time: 12 KB a pair of blocks */
+#define BF16_M_TILE 128  /* activation rows a widened chunk serves (their xᵀ chunk: 128 KB, in L2) */
 
-/* Weight rows r0 .. r0+JR-1 (those below n) times NV vectors of activation rows from mb, over the whole of K,
- * into y. (JR, NV) is (BF16_GEMM_ROWS, BF16_NV) for a full block of 16 activation rows, or twice the rows and half
- * the vectors for a last block of at most 8 (SIMD widths below 16): as many accumulators, half the padding. With
- * fetch_next, each widened run asks for the same inputs of the JR rows after these, which the next pass widens. */
-static inline __attribute__((always_inline)) void bf16_gemm_pass(const uint16_t *w, int n, int k, const float *xtb,
-                                                                 int m, int mb, int r0, const int JR, const int NV,
-                                                                 const int fetch_next, float (*wide)[BF16_KC],
-                                                                 float *y) {
-    const int rows = n - r0 < JR ? n - r0 : JR;
-    const uint16_t *src[2 * BF16_GEMM_ROWS]; /* (a short last block repeats its last row) */
-    for (int j = 0; j < JR; j++) src[j] = w + (size_t)(r0 + (j < rows ? j : rows - 1)) * k;
-    const float *xb = xtb + (size_t)mb * k;
+/* acc [JR][16] (+)= JR widened weight rows of one chunk of kc inputs times NV vectors of activation rows from the
+ * xᵀ block at xb: (JR, NV) is (BF16_GEMM_ROWS, BF16_NV) for a full block of 16 activation rows, or twice the rows
+ * and half the vectors for a last block of at most 8 (SIMD widths below 16): as many accumulators, half the
+ * padding. Stored and reloaded a chunk at a time, the sums still run over the inputs in order. */
+static inline __attribute__((always_inline)) void bf16_gemm_chunk(const float *xb, int kc, const float (*wide)[BF16_KC],
+                                                                  const int JR, const int NV, float (*acc)[16],
+                                                                  const int first) {
     vf c[2 * BF16_GEMM_ROWS][BF16_NV];
     for (int j = 0; j < JR; j++)
-        for (int v = 0; v < NV; v++) c[j][v] = f_zero();
-    for (int k0 = 0; k0 < k; k0 += BF16_KC) {
-        const int kc = k - k0 < BF16_KC ? k - k0 : BF16_KC;
+        for (int v = 0; v < NV; v++) c[j][v] = first ? f_zero() : f_load(acc[j] + v * W);
+    for (int kk = 0; kk < kc; kk++) {
+        vf x[BF16_NV];
+        for (int v = 0; v < NV; v++) x[v] = f_load(xb + (size_t)kk * 16 + v * W);
         for (int j = 0; j < JR; j++) {
-            for (int kk = 0; kk < kc; kk += W) f_store(wide[j] + kk, f_bf16(src[j] + k0 + kk));
-            if (fetch_next && r0 + JR + j < n)
-                for (int kk = 0; kk < kc; kk += 32) __builtin_prefetch(src[j] + (size_t)JR * k + k0 + kk, 0, 2);
-        }
-        for (int kk = 0; kk < kc; kk++) {
-            vf x[BF16_NV];
-            for (int v = 0; v < NV; v++) x[v] = f_load(xb + (size_t)(k0 + kk) * 16 + v * W);
-            for (int j = 0; j < JR; j++) {
-                const vf a = f_set1(wide[j][kk]);
-                for (int v = 0; v < NV; v++) c[j][v] = f_fmadd(a, x[v], c[j][v]);
-            }
+            const vf a = f_set1(wide[j][kk]);
+            for (int v = 0; v < NV; v++) c[j][v] = f_fmadd(a, x[v], c[j][v]);
         }
     }
-    float tile[2 * BF16_GEMM_ROWS][16]; /* then each activation row's outputs as one short run */
     for (int j = 0; j < JR; j++)
-        for (int v = 0; v < NV; v++) f_store(tile[j] + v * W, c[j][v]);
-    for (int i = 0; i < NV * W && mb + i < m; i++)
-        for (int j = 0; j < rows; j++) y[(size_t)(mb + i) * n + r0 + j] = tile[j][i];
+        for (int v = 0; v < NV; v++) f_store(acc[j] + v * W, c[j][v]);
 }
 
 /* xtb blocks blk0 .. blk1-1 from x [m][k], rows past m zero: W × W transposes, 16 / W a block for every W inputs.
@@ -430,20 +414,36 @@ void ISA(bf16_xtb)(const float *x, int m, int k, int blk0, int blk1, float *xtb)
 void ISA(bf16_gemm)(const uint16_t *w, int n, int k, const float *xtb, int m, int b0, int b1, float *y) {
     enum { R = BF16_GEMM_ROWS, HALF = BF16_NV / 2 };
     float wide[2 * R][BF16_KC] __attribute__((aligned(64)));
-    for (int mt = 0; mt < m; mt += BF16_M_TILE)
+    float acc[BF16_M_TILE / 16][2 * R][16] __attribute__((aligned(64)));
+    for (int mt = 0; mt < m; mt += BF16_M_TILE) {
+        const int m_end = m < mt + BF16_M_TILE ? m : mt + BF16_M_TILE;
         for (int b = b0; b < b1; b += 2) { /* blocks in pairs: a last activation block of ≤ 8 rows takes both */
-            const int r0 = b * R, pair = b + 1 < b1;
-            for (int mb = mt; mb < m && mb < mt + BF16_M_TILE; mb += 16) {
-                const int from_memory = mb == mt; /* this tile's first pass over the block reads it from memory */
-                if (HALF && m - mb <= 8 && pair)
-                    bf16_gemm_pass(w, n, k, xtb, m, mb, r0, 2 * R, HALF, from_memory, wide, y);
-                else if (HALF && m - mb <= 8)
-                    bf16_gemm_pass(w, n, k, xtb, m, mb, r0, R, HALF, from_memory, wide, y);
-                else
-                    for (int h = 0; h <= pair; h++)
-                        bf16_gemm_pass(w, n, k, xtb, m, mb, r0 + h * R, R, BF16_NV, from_memory, wide, y);
+            const int r0 = b * R, pair = b + 1 < b1, jr = (1 + pair) * R, rows = n - r0 < jr ? n - r0 : jr;
+            const uint16_t *src[2 * R]; /* (a short last block repeats its last row) */
+            for (int j = 0; j < jr; j++) src[j] = w + (size_t)(r0 + (j < rows ? j : rows - 1)) * k;
+            for (int k0 = 0; k0 < k; k0 += BF16_KC) {
+                const int kc = k - k0 < BF16_KC ? k - k0 : BF16_KC;
+                for (int j = 0; j < jr; j++) { /* widened once for the tile's activation blocks */
+                    for (int kk = 0; kk < kc; kk += W) f_store(wide[j] + kk, f_bf16(src[j] + k0 + kk));
+                    if (r0 + jr + j < n) /* the next pair's same inputs, which the next widening reads */
+                        for (int kk = 0; kk < kc; kk += 32) __builtin_prefetch(src[j] + (size_t)jr * k + k0 + kk, 0, 2);
+                }
+                for (int mb = mt; mb < m_end; mb += 16) {
+                    const float *xb = xtb + (size_t)mb * k + (size_t)k0 * 16;
+                    float (*a)[16] = acc[(mb - mt) / 16];
+                    if (HALF && m - mb <= 8 && pair)
+                        bf16_gemm_chunk(xb, kc, wide, 2 * R, HALF, a, k0 == 0);
+                    else if (HALF && m - mb <= 8)
+                        bf16_gemm_chunk(xb, kc, wide, R, HALF, a, k0 == 0);
+                    else
+                        for (int h = 0; h <= pair; h++)
+                            bf16_gemm_chunk(xb, kc, wide + h * R, R, BF16_NV, a + h * R, k0 == 0);
+                }
             }
+            for (int mb = mt; mb < m_end; mb++) /* each activation row's outputs as one short run */
+                for (int j = 0; j < rows; j++) y[(size_t)mb * n + r0 + j] = acc[(mb - mt) / 16][j][(mb - mt) % 16];
         }
+    }
 }
 
 #ifdef ISA_INT8_DOTS

@@ -41,6 +41,11 @@ typedef uint32_t uvec __attribute__((vector_size(VL * 4)));
 static inline void widen_pairs(const uint16_t *p, fvec *even, fvec *odd) {
     uvec w, lo, hi;
     memcpy(&w, p, sizeof w);
+#if defined(__AVX2__) && (defined(__GNUC__) || defined(__clang__))
+    /* In a register: GCC folded the load into both the shift and the and, two load-port slots per vector (AVX2,
+     * 2 threads, 4-16 rows of 768x2048: 0.82-0.87 of the time; one row unchanged). */
+    __asm__("" : "+x"(w));
+#endif
     lo = w << 16;
     hi = w & 0xffff0000u;
     memcpy(even, &lo, sizeof *even);

@@ -73,7 +73,7 @@ def torch_on_one_thread() -> Iterator[None]:
         _held_threads = None
 
 
-_helpers: ThreadPoolExecutor | None = None
+_helpers: tuple[int, ThreadPoolExecutor] | None = None  # (its threads, the pool) for on_held_threads
 
 
 def on_held_threads(pieces: list[Callable[[], torch.Tensor]]) -> list[torch.Tensor]:
@@ -83,9 +83,11 @@ def on_held_threads(pieces: list[Callable[[], torch.Tensor]]) -> list[torch.Tens
     global _helpers
     if len(pieces) > kernel_threads():
         raise ValueError(f"{len(pieces)} pieces for {kernel_threads()} threads")
-    if _helpers is None or _helpers._max_workers < len(pieces) - 1:
-        _helpers = ThreadPoolExecutor(max(1, len(pieces) - 1), thread_name_prefix="npumoe-attention")
-    others = [_helpers.submit(piece) for piece in pieces[1:]]
+    if _helpers is None or _helpers[0] < len(pieces) - 1:
+        if _helpers is not None:
+            _helpers[1].shutdown(wait=False)
+        _helpers = (len(pieces) - 1, ThreadPoolExecutor(max(1, len(pieces) - 1), thread_name_prefix="npumoe-attention"))
+    others = [_helpers[1].submit(piece) for piece in pieces[1:]]
     return [pieces[0](), *(other.result() for other in others)]
 
 

@@ -25,8 +25,7 @@ typedef struct {
 static const lut_isa ISA =
 #if defined(NPUMOE_ISA_AVX512)
     {"avx512", tables_avx512, gemv_avx512, dequant_tile_avx512, gemm_avx512, AVX512_MR, gemv_multi_avx512,
-     AVX512_GEMV_MR, gemm_i8_avx512, int8_rows_avx512, bf16_gemm_avx512,
-     bf16_xtb_avx512};
+     AVX512_GEMV_MR, gemm_i8_avx512, int8_rows_avx512, bf16_gemm_avx512, bf16_xtb_avx512};
 #elif defined(NPUMOE_ISA_AVX2)
     {"avx2", tables_avx2, gemv_avx2, dequant_tile_avx2, gemm_avx2, AVX2_MR, gemv_multi_avx2, AVX2_GEMV_MR, gemm_i8_avx2,
      int8_rows_avx2, bf16_gemm_avx2, bf16_xtb_avx2};
@@ -309,7 +308,8 @@ NPUMOE_API int npumoe_bf16_gemm_many(const npumoe_bf16_task *tasks, int count, i
         int same = -1; /* an earlier task with this very x */
         for (int u = 0; u < t && same < 0; u++)
             if (tasks[u].x == task->x && tasks[u].m == task->m && tasks[u].k == task->k) same = u;
-        jobs[t] = (bf16_gemm_job){task->w, task->x, same < 0 ? at : jobs[same].xtb, task->n, task->k, task->m, task->y};
+        float *xtb_t = same < 0 ? at : jobs[same].xtb;
+        jobs[t] = (bf16_gemm_job){task->w, task->x, xtb_t, task->n, task->k, task->m, task->y};
         if (same < 0) at += (size_t)blocks * 16 * task->k, x_bytes += (size_t)blocks * 16 * task->k * sizeof(float);
         first_x[t + 1] = first_x[t] + (same < 0 ? blocks : 0);
         first_w[t + 1] = first_w[t] + (task->n + BF16_GEMM_ROWS - 1) / BF16_GEMM_ROWS;

@@ -188,6 +188,25 @@ def test_bf16_linears_batched_in_one_call_equal_each_alone(dot, monkeypatch):
     assert bf16_linear_many([too_many], [odd_w]) is None
 
 
+def test_bf16_gemms_past_the_transposition_budget_run_in_groups():
+    """Tasks whose transposed inputs pass the widening GEMM's budget (16M floats; two distinct 1024 x 8192 inputs
+    here) run a group at a time, and still give what each call alone gives, bit for bit (SIMD builds)."""
+    calls = torch_op._kernels().calls
+    if not hasattr(calls, "bf16_gemm_many_at") or torch_op._kernels().isa not in torch_op.BF16_GEMM_FROM:
+        pytest.skip("the widening bf16 GEMM runs on SIMD builds, natively")
+    torch.manual_seed(5)
+    xs = [torch.randn(1024, 8192), torch.randn(1024, 8192), torch.randn(40, 8192)]
+    xs.insert(1, xs[0])  # a second matrix on the first x: in its group, sharing the transposed copy
+    ws = [torch.randn(n, 8192).to(torch.bfloat16) for n in (7, 13, 6, 9)]
+    ys = [torch.empty(x.shape[0], w.shape[0]) for x, w in zip(xs, ws)]
+    calls.bf16_gemm_many_at([(w.data_ptr(), x.data_ptr(), y.data_ptr(), x.shape[0], *w.shape)
+                             for x, w, y in zip(xs, ws, ys)], 2)
+    for x, w, y in zip(xs, ws, ys):
+        alone = torch.empty_like(y)
+        calls.bf16_gemm_at(w.data_ptr(), x.data_ptr(), x.shape[0], *w.shape, alone.data_ptr(), 2)
+        assert torch.equal(y, alone)
+
+
 def test_packed_linears_batched_in_one_call_equal_each_alone():
     """Several one-row packed linears (other shapes, bits, symmetric or not, with a bias) in one kernel call
     give what each call alone gives, bit for bit, and the spec's LUT-GEMV within float rounding; a batch

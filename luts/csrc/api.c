@@ -281,19 +281,20 @@ static void bf16_gemm_span(void *ctx, int t, int b0, int b1) {
     ISA.bf16_gemm(job->w, job->n, job->k, job->xtb, job->m, b0, b1, job->y);
 }
 
-/* For each task, y [m][n] = x [m][k] · Wᵀ for W [n][k] bf16, k a multiple of 16: exact fp32 arithmetic on the
- * widened weights (a bf16 prompt where the CPU has no bf16 dot products). All tasks in two parallel jobs: every
- * distinct x transposed (an expert's gate and up share theirs), then every matrix's weight blocks, so that a
- * prompt's experts, a few rows each, fill the threads together. Returns -2 where this build has no such kernel or
- * a k is not a multiple of 16, -1 if it cannot allocate. */
-NPUMOE_API int npumoe_bf16_gemm_many(const npumoe_bf16_task *tasks, int count, int threads) {
-    if (!ISA.bf16_gemm) return -2;
-    size_t floats = 1, x_bytes = 0, weight_bytes = 0;
-    for (int t = 0; t < count; t++) {
-        if (tasks[t].k % 16) return -2;
-        floats += (size_t)(tasks[t].m + 15) / 16 * 16 * tasks[t].k;
-    }
-    float *xtb = malloc(sizeof(float) * floats); /* each x transposed in blocks of 16 rows */
+/* The tasks in two parallel jobs: every distinct x transposed (an expert's gate and up share theirs), then every
+ * matrix's weight blocks, so that a prompt's experts, a few rows each, fill the threads together. */
+/* An earlier task of these with task t's very x, or -1. */
+static int same_x(const npumoe_bf16_task *tasks, int t) {
+    for (int u = 0; u < t; u++)
+        if (tasks[u].x == tasks[t].x && tasks[u].m == tasks[t].m && tasks[u].k == tasks[t].k) return u;
+    return -1;
+}
+
+static size_t xtb_floats(const npumoe_bf16_task *task) { return (size_t)(task->m + 15) / 16 * 16 * task->k; }
+
+static int bf16_gemm_together(const npumoe_bf16_task *tasks, int count, size_t floats, int threads) {
+    size_t x_bytes = 0, weight_bytes = 0;
+    float *xtb = malloc(sizeof(float) * (floats + 1)); /* each x transposed in blocks of 16 rows */
     bf16_gemm_job *jobs = malloc(sizeof(bf16_gemm_job) * (count + 1));
     int *first_x = malloc(sizeof(int) * (count + 1)), *first_w = malloc(sizeof(int) * (count + 1));
     if (!xtb || !jobs || !first_x || !first_w) {
@@ -304,20 +305,39 @@ NPUMOE_API int npumoe_bf16_gemm_many(const npumoe_bf16_task *tasks, int count, i
     first_x[0] = first_w[0] = 0;
     for (int t = 0; t < count; t++) {
         const npumoe_bf16_task *task = &tasks[t];
-        const int blocks = (task->m + 15) / 16;
-        int same = -1; /* an earlier task with this very x */
-        for (int u = 0; u < t && same < 0; u++)
-            if (tasks[u].x == task->x && tasks[u].m == task->m && tasks[u].k == task->k) same = u;
-        float *xtb_t = same < 0 ? at : jobs[same].xtb;
-        jobs[t] = (bf16_gemm_job){task->w, task->x, xtb_t, task->n, task->k, task->m, task->y};
-        if (same < 0) at += (size_t)blocks * 16 * task->k, x_bytes += (size_t)blocks * 16 * task->k * sizeof(float);
-        first_x[t + 1] = first_x[t] + (same < 0 ? blocks : 0);
+        const int same = same_x(tasks, t);
+        jobs[t] = (bf16_gemm_job){task->w, task->x, same < 0 ? at : jobs[same].xtb, task->n, task->k, task->m, task->y};
+        if (same < 0) at += xtb_floats(task), x_bytes += xtb_floats(task) * sizeof(float);
+        first_x[t + 1] = first_x[t] + (same < 0 ? (task->m + 15) / 16 : 0);
         first_w[t + 1] = first_w[t] + (task->n + BF16_GEMM_ROWS - 1) / BF16_GEMM_ROWS;
         weight_bytes += (size_t)task->n * task->k * sizeof(uint16_t);
     }
     lut_parallel_tasks(bf16_xtb_span, jobs, first_x, count, x_bytes, threads);
     lut_parallel_tasks(bf16_gemm_span, jobs, first_w, count, weight_bytes, threads);
     free(xtb), free(jobs), free(first_x), free(first_w);
+    return 0;
+}
+
+/* x transposed for as many tasks at once as fit in this many floats (at least one task): a long prompt's experts
+ * would otherwise hold a second copy of all their inputs (a 32k-token prompt, top-8 of 2048-wide: 2 GB). */
+#define BF16_XTB_FLOATS (16u << 20)
+
+/* For each task, y [m][n] = x [m][k] · Wᵀ for W [n][k] bf16, k a multiple of 16: exact fp32 arithmetic on the
+ * widened weights (a bf16 prompt where the CPU has no bf16 dot products), BF16_XTB_FLOATS of transposed inputs at a
+ * time. Returns -2 where this build has no such kernel or a k is not a multiple of 16, -1 if it cannot allocate. */
+NPUMOE_API int npumoe_bf16_gemm_many(const npumoe_bf16_task *tasks, int count, int threads) {
+    if (!ISA.bf16_gemm) return -2;
+    for (int t = 0; t < count; t++)
+        if (tasks[t].k % 16) return -2;
+    for (int first = 0, end; first < count; first = end) {
+        size_t floats = 0;
+        for (end = first; end < count; end++) {
+            const size_t more = same_x(tasks + first, end - first) < 0 ? xtb_floats(&tasks[end]) : 0;
+            if (end > first && floats + more > BF16_XTB_FLOATS) break;
+            floats += more;
+        }
+        if (bf16_gemm_together(tasks + first, end - first, floats, threads)) return -1;
+    }
     return 0;
 }
 

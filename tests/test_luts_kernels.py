@@ -81,6 +81,22 @@ def test_tables_and_accumulators_are_bit_exact(lut, case, table_bits):
         assert np.allclose(y[row], ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
+def test_accumulators_at_their_int16_bound_are_exact(lut, bits):
+    """Every code at its maximum and every lookup at the table's extreme (+127): each tile's sums reach the bound
+    the kernels' int16 partial sums are sized for (AVX2: a tile's planes up to 5 bits, and a whole group's tiles at
+    1-2 bits), in groups of 1, 2 and 4 tiles, and still equal the spec's."""
+    x = np.ones((1, 256), np.float32)  # a run's entry 15 is +4, the group's largest: +127 once quantised
+    weights = np.ones((16, 256), np.float32)
+    weights[:, ::64] = -1  # one code 0 a group of 64, every other code 2^bits - 1
+    for group in (32, 64, 128):
+        packed = spec.quantize_pack(weights, bits, group, False)
+        tq, _ = spec.quantize_tables(spec.build_tables(x[0]), group, 8)
+        assert tq.max() == 127
+        _, acc = lut.gemv(layout.to_tiles(packed), x, 8, accumulators=True)
+        assert np.array_equal(acc[0], spec.lut_accumulate(packed.planes, tq, group))
+
+
 @pytest.mark.parametrize("count", [2, 7])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_several_rows_in_one_call_equal_each_row_alone(lut, case, count):

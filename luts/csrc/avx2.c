@@ -114,7 +114,10 @@ static inline __m256i widen_lanes(__m256i acc, __m256i sums) {
 
 /* All planes of a tile, the highest first, each doubling what came before (Horner: Σ 2^i · plane i) so no
  * per-plane weight takes a register. Up to 5 bits the sums stay int16 and widen once a tile: each lane's is at
- * most (2^5 − 1) · 4 · 127 = 15748. Wider codes widen every plane, its weight applied in int32. */
+ * most (2^5 − 1) · 4 · 127 = 15748. At 1-2 bits they stay int16 for the whole group (at most 4 tiles:
+ * 4 · 3 · 4 · 127 = 6096) and group_total widens them: the widening took a sixth of an int2 tile's instructions.
+ * Wider codes widen every plane, its weight applied in int32. */
+#define INT16_GROUP_BITS 2
 #define ISA_OWN_TILE_DOTS
 static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const uint8_t *tile, const kt_tables *t,
                                                             const int bits) {
@@ -127,7 +130,10 @@ static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const u
             rows_lo = _mm256_add_epi16(_mm256_add_epi16(rows_lo, rows_lo), lo);
             rows_hi = _mm256_add_epi16(_mm256_add_epi16(rows_hi, rows_hi), hi);
         }
-        a[0][0] = widen_lanes(a[0][0], rows_lo), a[1][0] = widen_lanes(a[1][0], rows_hi);
+        if (bits <= INT16_GROUP_BITS)
+            a[0][0] = _mm256_add_epi16(a[0][0], rows_lo), a[1][0] = _mm256_add_epi16(a[1][0], rows_hi);
+        else
+            a[0][0] = widen_lanes(a[0][0], rows_lo), a[1][0] = widen_lanes(a[1][0], rows_hi);
         return;
     }
     for (int i = 0; i < bits; i++) {
@@ -136,6 +142,13 @@ static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const u
         a[0][0] = _mm256_add_epi32(a[0][0], _mm256_slli_epi32(widen_lanes(_mm256_setzero_si256(), lo), i));
         a[1][0] = _mm256_add_epi32(a[1][0], _mm256_slli_epi32(widen_lanes(_mm256_setzero_si256(), hi), i));
     }
+}
+
+/* The group's int32 row sums plus its bias: at INT16_GROUP_BITS or fewer the int16 sums widened here, once. */
+#define ISA_OWN_GROUP_TOTAL
+static inline vi group_total(const vi a[ACC], int32_t bias, const int bits) {
+    const __m256i biased = _mm256_set1_epi32(bias);
+    return bits <= INT16_GROUP_BITS ? widen_lanes(biased, a[0]) : _mm256_add_epi32(a[0], biased);
 }
 
 /* The int8 GEMM's dot products (simd_kernels.h): vpmaddubsw multiplies codes (unsigned) by activations (signed)

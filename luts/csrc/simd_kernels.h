@@ -19,7 +19,8 @@
  *   kt_tables load_tables(tq, kt) and tile_dot(a[RV][ACC], tile, &tables, i): the GEMV core,
  *     adding 2^i · (row's four looked-up bytes, low and high nibbles) into int32 lanes, spread
  *     over ACC accumulators per row vector (summed at the end of each group); or, with
- *     ISA_OWN_TILE_DOTS, tile_dots(a, tile, &tables, bits) for all planes of a tile at once
+ *     ISA_OWN_TILE_DOTS, tile_dots(a, tile, &tables, bits) for all planes of a tile at once, and with
+ *     ISA_OWN_GROUP_TOTAL, group_total(a, bias, bits) the group's int32 lanes from accumulators it keeps its own way
  *   GEMM_ROW_BLOCKS, GEMM_MR      microkernel shape: MR activations × 16·GEMM_ROW_BLOCKS rows
  */
 #include <stdlib.h>
@@ -97,6 +98,16 @@ static inline __attribute__((always_inline)) vf epilogue(const uint16_t *scales,
     return f_fmadd(f_mul(f_half(scales), half_ts), f_from_i(total), out);
 }
 
+#ifndef ISA_OWN_GROUP_TOTAL
+/* A group's int32 row sums plus its bias, from the accumulators (zero at the group's start). */
+static inline vi group_total(const vi a[ACC], int32_t bias, const int bits) {
+    (void)bits;
+    vi total = i_set1(bias);
+    for (int j = 0; j < ACC; j++) total = i_add(total, a[j]);
+    return total;
+}
+#endif
+
 #ifndef ISA_OWN_TILE_DOTS
 /* A tile's planes, one tile_dot each (an ISA whose planes can share wider work defines its own). */
 static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const uint8_t *tile, const kt_tables *t,
@@ -128,7 +139,7 @@ static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w,
         for (int g = 0; g < groups; g++, scales += LUT_ROWS, zeros = zeros ? zeros + LUT_ROWS : NULL) {
             vi a[RV][ACC];
             for (int rv = 0; rv < RV; rv++)
-                for (int j = 0; j < ACC; j++) a[rv][j] = j ? i_zero() : i_set1(bias[g]);
+                for (int j = 0; j < ACC; j++) a[rv][j] = i_zero();
             for (int kt = g * tiles_per_group; kt < (g + 1) * tiles_per_group; kt++, tile += bits * LUT_TILE_BYTES) {
                 const kt_tables tables = load_tables(tq, kt);
                 tile_dots(a, tile, &tables, bits);
@@ -137,8 +148,7 @@ static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w,
             if (zeros) __builtin_prefetch(zeros + LUT_PREFETCH_PARAMS, 0, 2);
             const vf group_half_ts = f_set1(half_ts[g]);
             for (int rv = 0; rv < RV; rv++) {
-                vi biased = a[rv][0];
-                for (int j = 1; j < ACC; j++) biased = i_add(biased, a[rv][j]);
+                const vi biased = group_total(a[rv], bias[g], bits);
                 if (acc) {
                     int32_t lanes[W];
                     const vi sum = i_sub(biased, i_set1(bias[g]));
@@ -199,7 +209,7 @@ static inline __attribute__((always_inline)) void gemv_rows_multi(const lut_weig
             vi a[GEMV_MR][RV][ACC];
             for (int r = 0; r < mr; r++)
                 for (int rv = 0; rv < RV; rv++)
-                    for (int j = 0; j < ACC; j++) a[r][rv][j] = j ? i_zero() : i_set1(t[r]->bias[g]);
+                    for (int j = 0; j < ACC; j++) a[r][rv][j] = i_zero();
             for (int kt = g * tiles_per_group; kt < (g + 1) * tiles_per_group; kt++, tile += bits * LUT_TILE_BYTES) {
                 kt_tables tables[GEMV_MR];
                 for (int r = 0; r < mr; r++) tables[r] = load_tables(t[r]->tq, kt);
@@ -218,8 +228,7 @@ static inline __attribute__((always_inline)) void gemv_rows_multi(const lut_weig
             for (int r = 0; r < mr; r++) {
                 const vf group_half_ts = f_set1(t[r]->half_ts[g]);
                 for (int rv = 0; rv < RV; rv++) {
-                    vi biased = a[r][rv][0];
-                    for (int j = 1; j < ACC; j++) biased = i_add(biased, a[r][rv][j]);
+                    const vi biased = group_total(a[r][rv], t[r]->bias[g], bits);
                     out[r][rv] = epilogue(scales + rv * W, zeros ? zeros + rv * W : NULL, t[r]->zero_coef[g],
                                           group_half_ts, biased, out[r][rv]);
                 }

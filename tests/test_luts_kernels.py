@@ -84,8 +84,8 @@ def test_tables_and_accumulators_are_bit_exact(lut, case, table_bits):
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
 def test_accumulators_at_their_int16_bound_are_exact(lut, bits):
     """Every code at its maximum and every lookup at the table's extreme (+127): each tile's sums reach the bound
-    the kernels' int16 partial sums are sized for (AVX2: a tile's planes up to 5 bits, and a whole group's tiles at
-    1-2 bits), in groups of 1, 2 and 4 tiles, and still equal the spec's."""
+    the kernels' int16 partial sums are sized for (AVX2: a tile's planes up to 5 bits, and a whole group's tiles
+    where they fit, avx2.c's INT16_GROUP), in groups of 1, 2 and 4 tiles, and still equal the spec's."""
     x = np.ones((1, 256), np.float32)  # a run's entry 15 is +4, the group's largest: +127 once quantised
     weights = np.ones((16, 256), np.float32)
     weights[:, ::64] = -1  # one code 0 a group of 64, every other code 2^bits - 1

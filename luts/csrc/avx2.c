@@ -113,14 +113,15 @@ static inline __m256i widen_lanes(__m256i acc, __m256i sums) {
 }
 
 /* All planes of a tile, the highest first, each doubling what came before (Horner: Σ 2^i · plane i) so no
- * per-plane weight takes a register. Up to 5 bits the sums stay int16 and widen once a tile: each lane's is at
- * most (2^5 − 1) · 4 · 127 = 15748. At 1-2 bits they stay int16 for the whole group (at most 4 tiles:
- * 4 · 3 · 4 · 127 = 6096) and group_total widens them: the widening took a sixth of an int2 tile's instructions.
- * Wider codes widen every plane, its weight applied in int32. */
-#define INT16_GROUP_BITS 2
+ * per-plane weight takes a register. Up to 5 bits the sums stay int16 for a tile, each lane's at most
+ * (2^bits − 1) · 4 · 127 (15748 at 5 bits), and for the whole group where its tiles keep that in int16
+ * (INT16_GROUP: groups to 256 inputs at 1-3 bits, 128 at 4, 64 at 5); group_total widens them once. Widening every
+ * tile took a sixth of an int2 tile's instructions (hot 2048², one thread: int2 29.0 → 32.7 GB/s, int4 33.7 →
+ * 36.1). Wider codes widen every plane, its weight applied in int32. */
+#define INT16_GROUP(bits, tiles) ((bits) <= 5 && (tiles) * ((1 << (bits)) - 1) * 4 * 127 <= 32767)
 #define ISA_OWN_TILE_DOTS
 static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const uint8_t *tile, const kt_tables *t,
-                                                            const int bits) {
+                                                            const int bits, const int tiles) {
     __m256i lo, hi;
     if (bits <= 5) {
         __m256i rows_lo = _mm256_setzero_si256(), rows_hi = _mm256_setzero_si256();
@@ -130,7 +131,7 @@ static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const u
             rows_lo = _mm256_add_epi16(_mm256_add_epi16(rows_lo, rows_lo), lo);
             rows_hi = _mm256_add_epi16(_mm256_add_epi16(rows_hi, rows_hi), hi);
         }
-        if (bits <= INT16_GROUP_BITS)
+        if (INT16_GROUP(bits, tiles))
             a[0][0] = _mm256_add_epi16(a[0][0], rows_lo), a[1][0] = _mm256_add_epi16(a[1][0], rows_hi);
         else
             a[0][0] = widen_lanes(a[0][0], rows_lo), a[1][0] = widen_lanes(a[1][0], rows_hi);
@@ -144,11 +145,11 @@ static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const u
     }
 }
 
-/* The group's int32 row sums plus its bias: at INT16_GROUP_BITS or fewer the int16 sums widened here, once. */
+/* The group's int32 row sums plus its bias, the int16 ones of an INT16_GROUP widened here, once. */
 #define ISA_OWN_GROUP_TOTAL
-static inline vi group_total(const vi a[ACC], int32_t bias, const int bits) {
+static inline vi group_total(const vi a[ACC], int32_t bias, const int bits, const int tiles) {
     const __m256i biased = _mm256_set1_epi32(bias);
-    return bits <= INT16_GROUP_BITS ? widen_lanes(biased, a[0]) : _mm256_add_epi32(a[0], biased);
+    return INT16_GROUP(bits, tiles) ? widen_lanes(biased, a[0]) : _mm256_add_epi32(a[0], biased);
 }
 
 /* The int8 GEMM's dot products (simd_kernels.h): vpmaddubsw multiplies codes (unsigned) by activations (signed)

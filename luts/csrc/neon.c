@@ -96,7 +96,8 @@ static inline __attribute__((always_inline)) void position_sums(uint8x16_t p_byt
  * at most (2^5 − 1) · 8 · 127 = 31496) and widen once a tile; wider codes widen every plane. */
 #define ISA_OWN_TILE_DOTS
 static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const uint8_t *tile, const kt_tables *t,
-                                                            const int bits) {
+                                                            const int bits, const int tiles) {
+    (void)tiles;
     int16x8_t total[2] = {vdupq_n_s16(0), vdupq_n_s16(0)};
 #pragma GCC unroll 8
     for (int i = 0; i < bits; i++) {

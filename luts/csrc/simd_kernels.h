@@ -19,8 +19,9 @@
  *   kt_tables load_tables(tq, kt) and tile_dot(a[RV][ACC], tile, &tables, i): the GEMV core,
  *     adding 2^i · (row's four looked-up bytes, low and high nibbles) into int32 lanes, spread
  *     over ACC accumulators per row vector (summed at the end of each group); or, with
- *     ISA_OWN_TILE_DOTS, tile_dots(a, tile, &tables, bits) for all planes of a tile at once, and with
- *     ISA_OWN_GROUP_TOTAL, group_total(a, bias, bits) the group's int32 lanes from accumulators it keeps its own way
+ *     ISA_OWN_TILE_DOTS, tile_dots(a, tile, &tables, bits, tiles) for all planes of a tile at once (tiles: the
+ *     group's), and with ISA_OWN_GROUP_TOTAL, group_total(a, bias, bits, tiles) the group's int32 lanes from
+ *     accumulators it keeps its own way
  *   GEMM_ROW_BLOCKS, GEMM_MR      microkernel shape: MR activations × 16·GEMM_ROW_BLOCKS rows
  */
 #include <stdlib.h>
@@ -100,8 +101,8 @@ static inline __attribute__((always_inline)) vf epilogue(const uint16_t *scales,
 
 #ifndef ISA_OWN_GROUP_TOTAL
 /* A group's int32 row sums plus its bias, from the accumulators (zero at the group's start). */
-static inline vi group_total(const vi a[ACC], int32_t bias, const int bits) {
-    (void)bits;
+static inline vi group_total(const vi a[ACC], int32_t bias, const int bits, const int tiles) {
+    (void)bits, (void)tiles;
     vi total = i_set1(bias);
     for (int j = 0; j < ACC; j++) total = i_add(total, a[j]);
     return total;
@@ -111,7 +112,8 @@ static inline vi group_total(const vi a[ACC], int32_t bias, const int bits) {
 #ifndef ISA_OWN_TILE_DOTS
 /* A tile's planes, one tile_dot each (an ISA whose planes can share wider work defines its own). */
 static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const uint8_t *tile, const kt_tables *t,
-                                                            const int bits) {
+                                                            const int bits, const int tiles) {
+    (void)tiles;
 #pragma GCC unroll 8
     for (int i = 0; i < bits; i++) {
         lut_prefetch_line(tile + i * LUT_TILE_BYTES);
@@ -142,13 +144,13 @@ static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w,
                 for (int j = 0; j < ACC; j++) a[rv][j] = i_zero();
             for (int kt = g * tiles_per_group; kt < (g + 1) * tiles_per_group; kt++, tile += bits * LUT_TILE_BYTES) {
                 const kt_tables tables = load_tables(tq, kt);
-                tile_dots(a, tile, &tables, bits);
+                tile_dots(a, tile, &tables, bits, tiles_per_group);
             }
             __builtin_prefetch(scales + LUT_PREFETCH_PARAMS, 0, 2);
             if (zeros) __builtin_prefetch(zeros + LUT_PREFETCH_PARAMS, 0, 2);
             const vf group_half_ts = f_set1(half_ts[g]);
             for (int rv = 0; rv < RV; rv++) {
-                const vi biased = group_total(a[rv], bias[g], bits);
+                const vi biased = group_total(a[rv], bias[g], bits, tiles_per_group);
                 if (acc) {
                     int32_t lanes[W];
                     const vi sum = i_sub(biased, i_set1(bias[g]));
@@ -214,7 +216,7 @@ static inline __attribute__((always_inline)) void gemv_rows_multi(const lut_weig
                 kt_tables tables[GEMV_MR];
                 for (int r = 0; r < mr; r++) tables[r] = load_tables(t[r]->tq, kt);
 #ifdef ISA_OWN_TILE_DOTS
-                for (int r = 0; r < mr; r++) tile_dots(a[r], tile, &tables[r], bits);
+                for (int r = 0; r < mr; r++) tile_dots(a[r], tile, &tables[r], bits, tiles_per_group);
 #else
 #pragma GCC unroll 8
                 for (int i = 0; i < bits; i++) {
@@ -228,7 +230,7 @@ static inline __attribute__((always_inline)) void gemv_rows_multi(const lut_weig
             for (int r = 0; r < mr; r++) {
                 const vf group_half_ts = f_set1(t[r]->half_ts[g]);
                 for (int rv = 0; rv < RV; rv++) {
-                    const vi biased = group_total(a[r][rv], t[r]->bias[g], bits);
+                    const vi biased = group_total(a[r][rv], t[r]->bias[g], bits, tiles_per_group);
                     out[r][rv] = epilogue(scales + rv * W, zeros ? zeros + rv * W : NULL, t[r]->zero_coef[g],
                                           group_half_ts, biased, out[r][rv]);
                 }

@@ -22,7 +22,7 @@ from npumoe.models.registry import adapter_for
 from npumoe.models.stored_formats import StoredView, plain_views, stored_format, views
 from npumoe.models.tokenizer import load_tokenizer
 
-from npumoe.errors import ModelDirError, UnsupportedModelError, WeightError
+from npumoe.errors import ModelDirError, WeightError
 
 DEMO_DIR = Path(__file__).parent / "demo"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")

@@ -159,10 +159,12 @@ BF16_GEMV_MAX_ROWS = {"avx512": 128, "avx2": 16, "neon": 16, "portable": 16}
 
 # Rows from which a bf16 matrix takes the bf16 GEMM (kernels.bf16_gemm: each weight widened once a call, exact fp32
 # arithmetic) where the CPU has no bf16 dot products, K a multiple of 16. Measured on a quiet 2-core AMD EPYC
-# (768x2048, 2048x768, 4096x2048, 512x2048; 2 threads; GEMM time / GEMV time): AVX2 0.59-0.85 at 16 rows, 0.76-1.10
-# at 12, 1.08-1.65 at 8; the AVX-512 build (as on a CPU without AVX-512 BF16) 0.74-1.13 at 48-128 rows, 0.81-1.12 at
-# 32, 0.90-1.14 at 16. Against widening the matrix for torch's fp32 GEMM (the path past the GEMV's rows before), 256
-# rows of 768x2048 / 4096x2048: 3.5 / 18 ms where torch took 3.6-3.9 / 27-29. NEON keeps AVX2's rule (not measured).
+# (2 threads; GEMM time / GEMV time): AVX2, a prompt's experts batched (48 cold 768x2048 or 2048x768 matrices a call)
+# 0.86-0.89 at 16 rows, 0.97-0.99 at 14, 1.13 at 12, 0.98-1.05 at 8; one hot 768x2048, 2048x768, 4096x2048 or
+# 512x2048 0.76-1.17 at 16, 0.88-1.55 at 12; the AVX-512 build (as on a CPU without AVX-512 BF16), the same hot
+# matrices, 0.78-1.10 at 64 rows, 0.79-1.15 at 48, 0.79-1.16 at 32, 0.84-1.50 at 16. Against widening the matrix
+# for torch's fp32 GEMM (the path past the GEMV's rows before), 256 rows of 768x2048 / 4096x2048: 3.5 / 18 ms where
+# torch took 3.6-3.9 / 27-29. NEON keeps AVX2's rule (not measured).
 BF16_GEMM_FROM = {"avx512": 48, "avx2": 16, "neon": 16}
 
 

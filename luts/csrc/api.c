@@ -281,8 +281,6 @@ static void bf16_gemm_span(void *ctx, int t, int b0, int b1) {
     ISA.bf16_gemm(job->w, job->n, job->k, job->xtb, job->m, b0, b1, job->y);
 }
 
-/* The tasks in two parallel jobs: every distinct x transposed (an expert's gate and up share theirs), then every
- * matrix's weight blocks, so that a prompt's experts, a few rows each, fill the threads together. */
 /* An earlier task of these with task t's very x, or -1. */
 static int same_x(const npumoe_bf16_task *tasks, int t) {
     for (int u = 0; u < t; u++)
@@ -292,6 +290,9 @@ static int same_x(const npumoe_bf16_task *tasks, int t) {
 
 static size_t xtb_floats(const npumoe_bf16_task *task) { return (size_t)(task->m + 15) / 16 * 16 * task->k; }
 
+/* The tasks in two parallel jobs: every distinct x transposed (an expert's gate and up share theirs) into floats
+ * of scratch, then every matrix's weight blocks, so that a prompt's experts, a few rows each, fill the threads
+ * together. */
 static int bf16_gemm_together(const npumoe_bf16_task *tasks, int count, size_t floats, int threads) {
     size_t x_bytes = 0, weight_bytes = 0;
     float *xtb = malloc(sizeof(float) * (floats + 1)); /* each x transposed in blocks of 16 rows */

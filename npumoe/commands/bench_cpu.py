@@ -181,8 +181,8 @@ def timed(fn) -> float:
 
 def run(console: Console, rounds: int, prefill_tokens: int,
         decode_tokens: int) -> tuple[list[Row], float, str | None]:
-    """Both engines' rows (medians of the rounds), and the machine's read bandwidth in GB/s: the best pass of a
-    probe in every round, between the engines, since a shared machine's bandwidth moves during a run (one probe
+    """Both engines' rows (medians of the rounds), and the machine's read bandwidth in GB/s: the best of a probe
+    run in every round, between the engines, since a shared machine's bandwidth moves during a run (one probe
     after the rounds had read 38-65 GB/s where decode streamed up to 48)."""
     with_llama = all(importlib.util.find_spec(m) for m in ("llama_cpp", "gguf"))
     paths = prepared(console, with_llama)
@@ -195,7 +195,7 @@ def run(console: Console, rounds: int, prefill_tokens: int,
             runners[("npumoe", fmt)] = NpumoeRunner(ckpt)
             if gguf_path is not None:
                 runners[("llama.cpp", PAIRS[fmt][1])] = LlamaRunner(gguf_path)
-        read_pass = mapped_reader(CHECKPOINT)
+        read_bandwidth = mapped_reader(CHECKPOINT)
     times: dict[tuple[str, str], tuple[list[float], list[float]]] = {key: ([], []) for key in runners}
     bandwidth = 0.0
     for r in range(rounds + 1):  # round 0 warms caches and thread pools up, untimed
@@ -207,7 +207,7 @@ def run(console: Console, rounds: int, prefill_tokens: int,
             if r:
                 times[key][0].append(decode_tokens / decode)
                 times[key][1].append(prefill_tokens / prefill)
-        bandwidth = max(bandwidth, *(read_pass() / 1e9 for _ in range(3)))  # (its first passes run slower)
+        bandwidth = max(bandwidth, read_bandwidth() / 1e9)
     rows = [Row(engine, fmt, statistics.median(dec), statistics.median(pre), runners[(engine, fmt)].weight_bytes / 1e6)
             for (engine, fmt), (dec, pre) in times.items()]
     return rows, bandwidth, None if with_llama else LLAMA_MISSING

@@ -192,16 +192,17 @@ def decode_rate_bound(ckpt: Path) -> dict:
             params += ls.ffn.top_k * sum(math.prod(s) for s in mlp_shapes("e", ls.ffn.expert, h).values())
         else:
             params += sum(math.prod(s) for s in mlp_shapes("m", ls.ffn, h).values())
-    bandwidth = mapped_read_bandwidth(ckpt)
+    bandwidth = mapped_reader(ckpt)()
     return {"weight_bytes_per_token": 2 * params, "read_gb_s": bandwidth / 1e9,
             "bound_tok_s": bandwidth / (2 * params)}
 
 
-def mapped_reader(ckpt: Path, nbytes: int = 1 << 30) -> Callable[[], float]:
+def mapped_reader(ckpt: Path, nbytes: int = 1 << 30, passes: int = 3) -> Callable[[], float]:
     """A probe of the bytes/s this machine streams from the checkpoint's own mapped weights (the first GB of its
-    tensors, read once to bring them into the page cache): each call times one pass. What decode reads, pages
-    and all. A scratch buffer misleads both ways here: 256 MB read at 53-64 GB/s on a 2-vCPU EPYC whose guest sees
-    a 32 MB L3, and a buffer on fragmented 4 KB pages at ~35."""
+    tensors, read once to bring them into the page cache): each call gives the best of ``passes`` timed passes
+    (the first ones run slower: 37-42 GB/s, then 49-51). What decode reads, pages and all. A scratch buffer
+    misleads both ways here: 256 MB read at 53-64 GB/s on a 2-vCPU EPYC whose guest sees a 32 MB L3, and a buffer
+    on fragmented 4 KB pages at ~35."""
     from npumoe.luts.kernels import kernels
     from npumoe.models.loader import load
 
@@ -221,13 +222,7 @@ def mapped_reader(ckpt: Path, nbytes: int = 1 << 30) -> Callable[[], float]:
         for a in arrays:
             k.stream_read(a)
         return total / (time.perf_counter() - start)
-    return one_pass
-
-
-def mapped_read_bandwidth(ckpt: Path, passes: int = 3) -> float:
-    """The best of a few passes of :func:`mapped_reader` (the first run slower: 37-42 GB/s, then 49-51)."""
-    probe = mapped_reader(ckpt)
-    return max(probe() for _ in range(passes))
+    return lambda: max(one_pass() for _ in range(passes))
 
 
 STEPS = ("inspect", "calibrate", "plan", "generate", "quantize", "build")

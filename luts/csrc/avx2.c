@@ -11,7 +11,7 @@
 
 #define ISA(name) name##_avx2
 #define W 8
-#define ACC 1 /* one int32 accumulator a row vector: tile_dots sums a tile's planes in int16 first */
+#define ACC 1 /* one accumulator a row vector: int16 where INT16_GROUP allows a whole group, else int32 */
 #define GEMM_MR AVX2_MR
 #define GEMV_MR AVX2_GEMV_MR
 /* Four rows a pass spill the tables and sums to the stack, which pays at 1-2 bits, where a tile has few planes

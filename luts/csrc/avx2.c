@@ -1,8 +1,9 @@
 /* AVX2 + FMA + F16C: a tile is two vectors of 8 rows.
  *
  * GEMV core: vpshufb looks up 16 entries per 128-bit lane, and each lane of a plane is one
- * byte position of 16 rows (layout.py), so one vpshufb per table; vpmaddubsw sums pairs of
- * runs, and a tile's planes sum in int16 (tile_dots).
+ * byte position of 16 rows (layout.py), so one vpshufb per table; with two planes' indices
+ * interleaved vpmaddubsw weighs and adds a row's pair of planes, and a tile's planes sum in
+ * int16 (tile_dots).
  */
 #include <immintrin.h>
 #include <string.h>
@@ -106,50 +107,93 @@ static inline __attribute__((always_inline)) void plane_sums(const uint8_t *plan
                            _mm256_maddubs_epi16(ones, _mm256_unpackhi_epi8(r45, r67)));
 }
 
+/* `sums` plus both nibbles of a vector of indices looked up (low ones in `low_tables`, high in `high_tables`), each
+ * byte pair summed with its weights (vpmaddubsw: the weights unsigned, the table entries signed) into int16 words.
+ * Added one after the other: as a tree of adds int4 was 4-7 % slower. */
+static inline __attribute__((always_inline)) __m256i add_nibble_lookups(__m256i sums, __m256i indices,
+                                                                      __m256i low_tables, __m256i high_tables,
+                                                                      __m256i weights) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i low = _mm256_shuffle_epi8(low_tables, _mm256_and_si256(indices, nibble));
+    const __m256i high = _mm256_shuffle_epi8(high_tables, _mm256_and_si256(_mm256_srli_epi16(indices, 4), nibble));
+    sums = _mm256_add_epi16(sums, _mm256_maddubs_epi16(weights, low));
+    return _mm256_add_epi16(sums, _mm256_maddubs_epi16(weights, high));
+}
+
+/* Two planes at once, plane i+1 (`upper`) and plane i, added into int16 row sums (rows 0-7 in lo, 8-15 in hi,
+ * lanes as plane_sums). Interleaving the two planes' index bytes puts a row's two indices into one run's table side
+ * by side, so each vpshufb serves both planes and vpmaddubsw, its multipliers the planes' weights (2^(i+1), 2^i),
+ * adds them: per int2 tile 4 unpacks where plane_sums takes 8, and no doubling between planes. */
+static inline __attribute__((always_inline)) void plane_pair_sums(const uint8_t *upper, const uint8_t *lower,
+                                                                  const kt_tables *t, __m256i weights, __m256i *lo,
+                                                                  __m256i *hi) {
+    for (int half = 0; half < 2; half++) { /* byte positions 0 | 1, then 2 | 3 */
+        const __m256i up = i_load(upper + 32 * half), down = i_load(lower + 32 * half);
+        const __m256i low_tables = half ? t->lo23 : t->lo01, high_tables = half ? t->hi23 : t->hi01;
+        const __m256i rows07 = _mm256_unpacklo_epi8(up, down), rows815 = _mm256_unpackhi_epi8(up, down);
+        *lo = add_nibble_lookups(*lo, rows07, low_tables, high_tables, weights);
+        *hi = add_nibble_lookups(*hi, rows815, low_tables, high_tables, weights);
+    }
+}
+
 /* int16 row sums, lane 0 and lane 1 (the same 8 rows), into int32 accumulators. */
 static inline __m256i widen_lanes(__m256i acc, __m256i sums) {
     return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(sums)),
                                                   _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sums, 1))));
 }
 
-/* All planes of a tile, the highest first, each doubling what came before (Horner: Σ 2^i · plane i) so no
- * per-plane weight takes a register. Up to 5 bits the sums stay int16 for a tile, each lane's at most
- * (2^bits − 1) · 4 · 127 (15748 at 5 bits), and for the whole group where its tiles keep that in int16
- * (INT16_GROUP: groups to 256 inputs at 1-3 bits, 128 at 4, 64 at 5); group_total widens them once. Widening every
- * tile took a sixth of an int2 tile's instructions (hot 2048², one thread: int2 29.0 → 32.7 GB/s, int4 33.7 →
- * 36.1). Wider codes widen every plane, its weight applied in int32. */
+/* All planes of a tile, in pairs from the highest (plane_pair_sums), an odd plane 0 alone. Up to 5 bits each pair
+ * carries its weight and the sums stay int16 for a tile, each lane's at most (2^bits − 1) · 4 · 127 (15748 at 5
+ * bits), and for the whole group where its tiles keep that in int16 (INT16_GROUP: groups to 256 inputs at 1-3 bits,
+ * 128 at 4, 64 at 5); group_totals widens them once. Widening every tile took a sixth of an int2 tile's
+ * instructions. Wider codes widen every pair, its weight 2^i applied in int32. Hot 1024², one thread, ns a tile:
+ * planes one by one with Horner doubling int2 4.35, int4 7.75, int8 20.4; in pairs 3.79, 6.85, 13.6. */
 #define INT16_GROUP(bits, tiles) ((bits) <= 5 && (tiles) * ((1 << (bits)) - 1) * 4 * 127 <= 32767)
 #define ISA_OWN_TILE_DOTS
 static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const uint8_t *tile, const kt_tables *t,
                                                             const int bits, const int tiles) {
-    __m256i lo, hi;
-    if (bits <= 5) {
-        __m256i rows_lo = _mm256_setzero_si256(), rows_hi = _mm256_setzero_si256();
-        for (int i = bits - 1; i >= 0; i--) {
-            lut_prefetch_line(tile + i * LUT_TILE_BYTES);
-            plane_sums(tile + i * LUT_TILE_BYTES, t, &lo, &hi);
-            rows_lo = _mm256_add_epi16(_mm256_add_epi16(rows_lo, rows_lo), lo);
-            rows_hi = _mm256_add_epi16(_mm256_add_epi16(rows_hi, rows_hi), hi);
+    __m256i rows_lo = _mm256_setzero_si256(), rows_hi = _mm256_setzero_si256(), lo, hi;
+    for (int i = bits - 2; i >= 0; i -= 2) {
+        const uint8_t *upper = tile + (i + 1) * LUT_TILE_BYTES, *lower = tile + i * LUT_TILE_BYTES;
+        const int int16 = bits <= 5; /* else the pair's weight 2^i is applied in int32 */
+        lut_prefetch_line(upper);
+        lut_prefetch_line(lower);
+        lo = hi = _mm256_setzero_si256(); /* a chain of adds a pair: shorter than one through all pairs */
+        plane_pair_sums(upper, lower, t, _mm256_set1_epi16((short)((int16 ? 1 << i : 1) * (1 << 8 | 2))), &lo, &hi);
+        if (int16) {
+            rows_lo = _mm256_add_epi16(rows_lo, lo), rows_hi = _mm256_add_epi16(rows_hi, hi);
+        } else {
+            a[0][0] = _mm256_add_epi32(a[0][0], _mm256_slli_epi32(widen_lanes(_mm256_setzero_si256(), lo), i));
+            a[1][0] = _mm256_add_epi32(a[1][0], _mm256_slli_epi32(widen_lanes(_mm256_setzero_si256(), hi), i));
         }
-        if (INT16_GROUP(bits, tiles))
-            a[0][0] = _mm256_add_epi16(a[0][0], rows_lo), a[1][0] = _mm256_add_epi16(a[1][0], rows_hi);
-        else
-            a[0][0] = widen_lanes(a[0][0], rows_lo), a[1][0] = widen_lanes(a[1][0], rows_hi);
-        return;
     }
-    for (int i = 0; i < bits; i++) {
-        lut_prefetch_line(tile + i * LUT_TILE_BYTES);
-        plane_sums(tile + i * LUT_TILE_BYTES, t, &lo, &hi);
-        a[0][0] = _mm256_add_epi32(a[0][0], _mm256_slli_epi32(widen_lanes(_mm256_setzero_si256(), lo), i));
-        a[1][0] = _mm256_add_epi32(a[1][0], _mm256_slli_epi32(widen_lanes(_mm256_setzero_si256(), hi), i));
+    if (bits & 1) { /* plane 0 alone */
+        lut_prefetch_line(tile);
+        plane_sums(tile, t, &lo, &hi);
+        rows_lo = _mm256_add_epi16(rows_lo, lo), rows_hi = _mm256_add_epi16(rows_hi, hi);
     }
+    if (INT16_GROUP(bits, tiles))
+        a[0][0] = _mm256_add_epi16(a[0][0], rows_lo), a[1][0] = _mm256_add_epi16(a[1][0], rows_hi);
+    else
+        a[0][0] = widen_lanes(a[0][0], rows_lo), a[1][0] = widen_lanes(a[1][0], rows_hi);
 }
 
-/* The group's int32 row sums plus its bias, the int16 ones of an INT16_GROUP widened here, once. */
+/* The group's int32 row sums plus its bias. A whole group's int16 sums whose two lanes (the same rows) still fit
+ * int16 once added, INT16_MERGED, add there: rows 0-7 | 8-15 in one vector, widened with one extract (hot 1024²,
+ * one thread, ns a tile: int2 3.79 → 3.58, int4 6.85 → 6.21). */
+#define INT16_MERGED(bits, tiles) ((bits) <= 5 && (tiles) * ((1 << (bits)) - 1) * 8 * 127 <= 32767)
 #define ISA_OWN_GROUP_TOTAL
-static inline vi group_total(const vi a[ACC], int32_t bias, const int bits, const int tiles) {
+static inline void group_totals(vi totals[2], const vi a[2][ACC], int32_t bias, const int bits, const int tiles) {
     const __m256i biased = _mm256_set1_epi32(bias);
-    return INT16_GROUP(bits, tiles) ? widen_lanes(biased, a[0]) : _mm256_add_epi32(a[0], biased);
+    if (INT16_MERGED(bits, tiles)) {
+        const __m256i rows = _mm256_add_epi16(_mm256_permute2x128_si256(a[0][0], a[1][0], 0x21), /* lo.1 | hi.0 */
+                                              _mm256_blend_epi32(a[0][0], a[1][0], 0xF0));   /* lo.0 | hi.1 */
+        totals[0] = _mm256_add_epi32(biased, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(rows)));
+        totals[1] = _mm256_add_epi32(biased, _mm256_cvtepi16_epi32(_mm256_extracti128_si256(rows, 1)));
+    } else {
+        for (int rv = 0; rv < 2; rv++)
+            totals[rv] = INT16_GROUP(bits, tiles) ? widen_lanes(biased, a[rv][0]) : _mm256_add_epi32(a[rv][0], biased);
+    }
 }
 
 /* The int8 GEMM's dot products (simd_kernels.h): vpmaddubsw multiplies codes (unsigned) by activations (signed)

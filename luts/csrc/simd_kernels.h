@@ -20,8 +20,8 @@
  *     adding 2^i · (row's four looked-up bytes, low and high nibbles) into int32 lanes, spread
  *     over ACC accumulators per row vector (summed at the end of each group); or, with
  *     ISA_OWN_TILE_DOTS, tile_dots(a, tile, &tables, bits, tiles) for all planes of a tile at once (tiles: the
- *     group's), and with ISA_OWN_GROUP_TOTAL, group_total(a, bias, bits, tiles) the group's int32 lanes from
- *     accumulators it keeps its own way
+ *     group's), and with ISA_OWN_GROUP_TOTAL, group_totals(totals, a, bias, bits, tiles) the group's int32 lanes of
+ *     all RV row vectors from accumulators it keeps its own way
  *   GEMM_ROW_BLOCKS, GEMM_MR      microkernel shape: MR activations × 16·GEMM_ROW_BLOCKS rows
  */
 #include <stdlib.h>
@@ -100,12 +100,13 @@ static inline __attribute__((always_inline)) vf epilogue(const uint16_t *scales,
 }
 
 #ifndef ISA_OWN_GROUP_TOTAL
-/* A group's int32 row sums plus its bias, from the accumulators (zero at the group's start). */
-static inline vi group_total(const vi a[ACC], int32_t bias, const int bits, const int tiles) {
+/* A group's int32 row sums plus its bias, per row vector, from the accumulators (zero at the group's start). */
+static inline void group_totals(vi totals[RV], const vi a[RV][ACC], int32_t bias, const int bits, const int tiles) {
     (void)bits, (void)tiles;
-    vi total = i_set1(bias);
-    for (int j = 0; j < ACC; j++) total = i_add(total, a[j]);
-    return total;
+    for (int rv = 0; rv < RV; rv++) {
+        totals[rv] = i_set1(bias);
+        for (int j = 0; j < ACC; j++) totals[rv] = i_add(totals[rv], a[rv][j]);
+    }
 }
 #endif
 
@@ -149,8 +150,10 @@ static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w,
             __builtin_prefetch(scales + LUT_PREFETCH_PARAMS, 0, 2);
             if (zeros) __builtin_prefetch(zeros + LUT_PREFETCH_PARAMS, 0, 2);
             const vf group_half_ts = f_set1(half_ts[g]);
+            vi totals[RV];
+            group_totals(totals, a, bias[g], bits, tiles_per_group);
             for (int rv = 0; rv < RV; rv++) {
-                const vi biased = group_total(a[rv], bias[g], bits, tiles_per_group);
+                const vi biased = totals[rv];
                 if (acc) {
                     int32_t lanes[W];
                     const vi sum = i_sub(biased, i_set1(bias[g]));
@@ -229,10 +232,11 @@ static inline __attribute__((always_inline)) void gemv_rows_multi(const lut_weig
             if (zeros) __builtin_prefetch(zeros + LUT_PREFETCH_PARAMS, 0, 2);
             for (int r = 0; r < mr; r++) {
                 const vf group_half_ts = f_set1(t[r]->half_ts[g]);
+                vi totals[RV];
+                group_totals(totals, a[r], t[r]->bias[g], bits, tiles_per_group);
                 for (int rv = 0; rv < RV; rv++) {
-                    const vi biased = group_total(a[r][rv], t[r]->bias[g], bits, tiles_per_group);
                     out[r][rv] = epilogue(scales + rv * W, zeros ? zeros + rv * W : NULL, t[r]->zero_coef[g],
-                                          group_half_ts, biased, out[r][rv]);
+                                          group_half_ts, totals[rv], out[r][rv]);
                 }
             }
         }

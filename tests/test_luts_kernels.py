@@ -333,6 +333,16 @@ def test_bf16_products_are_fp32_math_on_the_bf16_values(lut, product, n, k, m):
     assert np.all(np.abs(y - exact) <= k * 2**-23 * (np.abs(x) @ np.abs(w).T) + 1e-30)
 
 
+@pytest.mark.parametrize("m", [2, 3, 5, 16])
+def test_bf16_gemv_rows_together_equal_each_row_alone(lut, m):
+    """Prefill's few rows share each widened weight (AVX2: 2-3 rows streamed together, AVX-512: pairs, 4-row blocks
+    elsewhere); every output still sums the same products in the same order as a one-row call: bit for bit."""
+    rng = np.random.default_rng(m)
+    bits = (rng.standard_normal((37, 2000)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    x = rng.standard_normal((m, 2000)).astype(np.float32)
+    assert np.array_equal(lut.bf16_gemv(bits, x), np.vstack([lut.bf16_gemv(bits, x[i:i + 1]) for i in range(m)]))
+
+
 def test_bf16_gemv_refuses_what_is_not_a_bf16_matrix(lut):
     x = np.ones((1, 16), np.float32)
     for bad in (np.ones((4, 16), np.float32), np.ones((16, 4), np.uint16).T, np.ones(16, np.uint16)):

@@ -113,21 +113,35 @@ static void bf16_block_pair(const bf16_job *job, int i, const uint16_t *const *w
 }
 #endif
 
-/* Output r of a one-row x, its weight row w streamed alone: the same two accumulators and order as a row of
- * bf16_block's four, so bit-identical to it. Row after row the weights are one contiguous read, which the
- * prefetches keep ahead of; four rows side by side are four streams a row apart, which read cold matrices at
- * 0.74-0.84 of the bandwidth on two Zen 4 threads where this reads 0.87-1.0 (a decode step's 3 MB experts). */
-static void bf16_row(const bf16_job *job, int r, const uint16_t *w) {
+/* Output r of activation rows 0 .. mr-1 (mr ≤ BF16_NARROW, one for decode), its weight row w streamed alone and
+ * each weight vector widened once for all mr rows: the same two accumulators and order as a row of bf16_block's
+ * four, so bit-identical to it. Row after row the weights are one contiguous read, which the prefetches keep ahead
+ * of; four rows side by side are four streams a row apart, which read cold matrices at 0.74-0.84 of the bandwidth
+ * on two Zen 4 threads where this reads 0.87-1.0 (a decode step's 3 MB experts). On AVX2 bf16_block also waits on
+ * memory at 2-3 rows of x, where this streams (2 threads, cold 768 x 2048: 2 rows 29-39 → 50-54 GMAC/s, 3 rows
+ * 46-57 → 62-78); AVX-512's pairs of rows stay ahead there. */
+#if VL == 8
+#define BF16_NARROW 3
+#else
+#define BF16_NARROW 1
+#endif
+static inline __attribute__((always_inline)) void bf16_rows(const bf16_job *job, int r, const uint16_t *w,
+                                                            const int mr) {
     const int kv = job->k / STEP * STEP;
-    fvec even = {0}, odd = {0}, e, o;
+    fvec even[BF16_NARROW], odd[BF16_NARROW], e, o;
+    for (int a = 0; a < mr; a++) even[a] = odd[a] = (fvec){0};
     for (int kk = 0; kk < kv; kk += STEP) {
-        __builtin_prefetch(w + kk + BF16_FAR, 0, 2), __builtin_prefetch(w + kk + BF16_NEAR, 0, 3);
-        fvec xe, xo;
-        memcpy(&xe, job->split + kk, sizeof xe);
-        memcpy(&xo, job->split + kk + VL, sizeof xo);
-        widen_pairs(w + kk, &e, &o), even = fma_(e, xe, even), odd = fma_(o, xo, odd);
+        if (kk % 32 == 0) /* once a 64-byte line (32 weights) */
+            __builtin_prefetch(w + kk + BF16_FAR, 0, 2), __builtin_prefetch(w + kk + BF16_NEAR, 0, 3);
+        widen_pairs(w + kk, &e, &o);
+        for (int a = 0; a < mr; a++) {
+            fvec xe, xo;
+            memcpy(&xe, job->split + (size_t)a * kv + kk, sizeof xe);
+            memcpy(&xo, job->split + (size_t)a * kv + kk + VL, sizeof xo);
+            even[a] = fma_(e, xe, even[a]), odd[a] = fma_(o, xo, odd[a]);
+        }
     }
-    bf16_store(job, 0, r, 1, &w, &even, &odd);
+    for (int a = 0; a < mr; a++) bf16_store(job, a, r, 1, &w, &even[a], &odd[a]);
 }
 
 /* Rows r .. r+3 (a short last block repeats its last row; only real rows are stored). Four explicit
@@ -137,8 +151,18 @@ static void bf16_block(const bf16_job *job, int r) {
     const size_t next = (size_t)BF16_ROWS * k; /* the same place in the next block, 4 rows on */
     const uint16_t *w[BF16_ROWS];
     for (int j = 0; j < BF16_ROWS; j++) w[j] = job->w + (size_t)(r + (j < rows ? j : rows - 1)) * k;
-    if (job->m == 1) {
-        for (int j = 0; j < rows; j++) bf16_row(job, r + j, w[j]);
+    if (job->m <= BF16_NARROW) {
+#if BF16_NARROW > 1
+        if (job->m == 2) {
+            for (int j = 0; j < rows; j++) bf16_rows(job, r + j, w[j], 2);
+            return;
+        }
+        if (job->m == 3) {
+            for (int j = 0; j < rows; j++) bf16_rows(job, r + j, w[j], 3);
+            return;
+        }
+#endif
+        for (int j = 0; j < rows; j++) bf16_rows(job, r + j, w[j], 1);
         return;
     }
     int i = 0;
@@ -153,10 +177,14 @@ static void bf16_block(const bf16_job *job, int r) {
     for (; i < job->m; i++) {
         const float *xs = job->split + (size_t)i * kv;
         fvec a0 = {0}, a1 = {0}, b0 = {0}, b1 = {0}, c0 = {0}, c1 = {0}, d0 = {0}, d1 = {0}, e, o;
-        for (int kk = 0; kk < kv; kk += STEP) {
-            if (i == 0 && kk % 32 == 0) /* each row's line 8 KB ahead into L1, the next block's into L2 */
-                for (int j = 0; j < BF16_ROWS; j++)
-                    __builtin_prefetch(w[j] + kk + BF16_L1_AHEAD, 0, 3), __builtin_prefetch(w[j] + kk + next, 0, 2);
+        for (int kk = 0, line = 0; kk < kv; kk += STEP) {
+            if (kk % 32 == 0) {
+                if (i == 0) /* each row's line 8 KB ahead into L1 */
+                    for (int j = 0; j < BF16_ROWS; j++) __builtin_prefetch(w[j] + kk + BF16_L1_AHEAD, 0, 3);
+                if (line == i) /* the next block's lines into L2, every m-th in each pass (line = kk / 32 mod m) */
+                    for (int j = 0; j < BF16_ROWS; j++) __builtin_prefetch(w[j] + kk + next, 0, 2);
+                line = line + 1 == job->m ? 0 : line + 1;
+            }
             fvec xe, xo;
             memcpy(&xe, xs + kk, sizeof xe);
             memcpy(&xo, xs + kk + VL, sizeof xo);

@@ -142,14 +142,6 @@ static inline __m256i widen_lanes(__m256i acc, __m256i sums) {
                                                   _mm256_cvtepi16_epi32(_mm256_extracti128_si256(sums, 1))));
 }
 
-/* A plane's line far ahead into L2 and near into L1, as lut_prefetch_line without its middle step (into L2 16 KB
- * ahead): for this kernel, bound by issuing instructions, the third prefetch cost more than it brought (cold 4096²,
- * interleaved, one thread: int2 34.4-35.5 → 37.2-38.6 GB/s, int4 35.6-37.5 → 37.0-38.6; two threads int2 +1-6 %,
- * int4 unchanged). */
-#define prefetch_plane(p)                                          \
-    (__builtin_prefetch((const char *)(p) + LUT_PREFETCH_FAR, 0, 2), \
-     __builtin_prefetch((const char *)(p) + LUT_PREFETCH_L1, 0, 3))
-
 /* All planes of a tile, in pairs from the highest (plane_pair_sums), an odd plane 0 alone. Up to 5 bits each pair
  * carries its weight and the sums stay int16 for a tile, each lane's at most (2^bits − 1) · 4 · 127 (15748 at 5
  * bits), and for the whole group where its tiles keep that in int16 (INT16_GROUP: groups to 256 inputs at 1-3 bits,
@@ -164,8 +156,8 @@ static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const u
     for (int i = bits - 2; i >= 0; i -= 2) {
         const uint8_t *upper = tile + (i + 1) * LUT_TILE_BYTES, *lower = tile + i * LUT_TILE_BYTES;
         const int int16 = bits <= 5; /* else the pair's weight 2^i is applied in int32 */
-        prefetch_plane(upper);
-        prefetch_plane(lower);
+        lut_prefetch_line(upper);
+        lut_prefetch_line(lower);
         lo = hi = _mm256_setzero_si256(); /* a chain of adds a pair: shorter than one through all pairs */
         plane_pair_sums(upper, lower, t, _mm256_set1_epi16((short)((int16 ? 1 << i : 1) * (1 << 8 | 2))), &lo, &hi);
         if (int16) {
@@ -176,7 +168,7 @@ static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const u
         }
     }
     if (bits & 1) { /* plane 0 alone */
-        prefetch_plane(tile);
+        lut_prefetch_line(tile);
         plane_sums(tile, t, &lo, &hi);
         rows_lo = _mm256_add_epi16(rows_lo, lo), rows_hi = _mm256_add_epi16(rows_hi, hi);
     }

@@ -16,22 +16,23 @@
 #define LUT_TILE_BYTES 64
 #define LUT_TILE_BYTE(r, p) (16 * (p) + (r)) /* row r's byte position p in a plane: runs 8t+p | 8t+4+p (layout.py) */
 #define LUT_MAX_THREADS 64
-/* The GEMV requests every weight cache line three times: into L2 32 KB and again 16 KB ahead
- * (hardware prefetchers stop at 4 KB pages, a compute-heavy loop keeps too few misses in flight
- * on its own, and a prefetch the memory system drops when its queues are full is not retried),
- * then into L1 6 KB ahead (an L2 hit still stalls the loop). Only the last goes to L1: each byte
- * is used once, and lines brought in far ahead would evict the tables and tiles in use. On Zen 4
- * (4096² GEMV, one thread, as a share of the fastest plain read of the same bytes): L2 16 KB + L1
- * 2 KB 0.80 (int4) / 0.85 (int2); this scheme 0.92-0.96 / 0.84-0.94. */
+/* The GEMV requests every weight cache line twice: into L2 32 KB ahead (hardware prefetchers stop at
+ * 4 KB pages, and a compute-heavy loop keeps too few misses in flight on its own), then into L1
+ * 6 KB ahead (an L2 hit still stalls the loop). Only the second goes to L1: each byte is used
+ * once, and lines brought in far ahead would evict the tables and tiles in use. On Zen 4 (4096²
+ * GEMV, one thread, as a share of the fastest plain read of the same bytes): L2 16 KB + L1 2 KB
+ * 0.80 (int4) / 0.85 (int2); L2 32 KB, again 16 KB, and L1 6 KB 0.92-0.96 / 0.84-0.94. That middle
+ * request (for prefetches the memory system drops when its queues are full) then cost more
+ * instructions than it brought (cold 4096², interleaved, one thread, int2 / int4: AVX2 34.4-35.5 →
+ * 37.2-38.6 / 35.6-37.5 → 37.0-38.6 GB/s, AVX-512 37.7-38.2 → 39.2-40.0 / 32.7-33.9 → 33.6-34.9;
+ * two threads +1-6 % / ±1 %). */
 #define LUT_PREFETCH_FAR 32768
-#define LUT_PREFETCH_L2 16384
 #define LUT_PREFETCH_L1 6144
 /* Scales and zeros (elements ahead; a row block's group is 16 of each): 2 KB and 1 KB, as far ahead
  * in time as the weights' 16 KB at 2 bits. At 256 (a quarter of that) int2 lost 2-3 % of bandwidth. */
 #define LUT_PREFETCH_PARAMS 1024
-#define lut_prefetch_line(p)                                             \
-    (__builtin_prefetch((const char *)(p) + LUT_PREFETCH_FAR, 0, 2),   \
-     __builtin_prefetch((const char *)(p) + LUT_PREFETCH_L2, 0, 2),    \
+#define lut_prefetch_line(p)                                           \
+    (__builtin_prefetch((const char *)(p) + LUT_PREFETCH_FAR, 0, 2), \
      __builtin_prefetch((const char *)(p) + LUT_PREFETCH_L1, 0, 3))
 
 #if defined(_WIN32)

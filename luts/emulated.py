@@ -23,7 +23,8 @@ from npumoe.luts.kernels import LutKernels
 ARCH = {"neon": "aarch64"}
 QEMU = {"aarch64": "qemu-aarch64-static"}
 PACKAGES = {"aarch64": ("gcc-aarch64-linux-gnu", "qemu-user-static")}
-OPS = {"tables": 1, "gemv": 2, "dequantize": 3, "gemm": 4, "bf16_gemv": 5, "bf16_gemm": 6}
+OPS = {"tables": 1, "gemv": 2, "dequantize": 3, "gemm": 4, "bf16_gemv": 5, "bf16_gemm": 6, "gemm_i8": 7}
+DECLINED = 3  # the driver's exit status where the build or the emulated CPU has no kernel for the op
 
 
 def missing(isa: str) -> str | None:
@@ -47,7 +48,8 @@ class EmulatedCalls:
     def __init__(self, arch: str, driver: Path):
         self.command = (QEMU[arch], str(driver))
 
-    def _run(self, op: str, header: tuple[int, ...], inputs: list, outputs: list) -> None:
+    def _run(self, op: str, header: tuple[int, ...], inputs: list, outputs: list) -> bool:
+        """Run ``op``, filling ``outputs``; False where the driver declines it (DECLINED)."""
         with tempfile.TemporaryDirectory() as tmp:
             request, response = Path(tmp) / "request", Path(tmp) / "response"
             with open(request, "wb") as f:
@@ -55,6 +57,8 @@ class EmulatedCalls:
                 for a in inputs:
                     f.write(np.ascontiguousarray(a).tobytes())
             result = subprocess.run([*self.command, str(request), str(response)], capture_output=True, text=True)
+            if result.returncode == DECLINED:
+                return False
             if result.returncode:
                 raise RuntimeError(f"emulated {op} failed: {result.stderr.strip()}")
             data = response.read_bytes()
@@ -62,6 +66,7 @@ class EmulatedCalls:
         for out in outputs:
             out.reshape(-1).view(np.uint8)[:] = np.frombuffer(data, np.uint8, out.nbytes, offset)
             offset += out.nbytes
+        return True
 
     @staticmethod
     def _weight(w, m: int, table_bits: int = 8) -> tuple[tuple[int, ...], list]:
@@ -87,6 +92,10 @@ class EmulatedCalls:
     def gemm(self, w, x, y, threads):
         header, arrays = self._weight(w, x.shape[0])
         self._run("gemm", header, [x, *arrays], [y])
+
+    def gemm_i8(self, w, x, y, threads) -> bool:
+        header, arrays = self._weight(w, x.shape[0])
+        return self._run("gemm_i8", header, [x, *arrays], [y])
 
     def bf16_gemv(self, w, x, y, threads):
         self._run("bf16_gemv", (x.shape[0], w.shape[0], w.shape[1], 0, 0, 0, 0), [x, w], [y])

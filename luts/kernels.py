@@ -400,7 +400,8 @@ class LutKernels:
 
     def gemm_int8(self, w: TiledWeight, x: np.ndarray, threads: int | None = None) -> np.ndarray | None:
         """y [M, N] = x [M, K] Wᵀ with x quantised to int8 per group (:func:`spec.int8_gemv` per row): 3-4-bit
-        weights on a build with byte dot products (AVX-512 VNNI, AVX2); None elsewhere."""
+        weights on a build with byte dot products (AVX-512 VNNI, AVX2, NEON where the CPU has ARMv8.2's sdot); None
+        elsewhere."""
         n, k = w.shape
         x = _activations(x, k).reshape(-1, k)
         y = np.empty((x.shape[0], w.row_blocks * ROWS), np.float32)

@@ -28,7 +28,8 @@ EXACT_GEMM_FROM = 64  # above 4 bits
 
 def uses_gemm(rows: int, bits: int, isa: str | None = None) -> bool:
     """Dequantise once (GEMM) from ``rows × bits ≥ GEMM_FROM[isa]``; below, the LUT-GEMV (a few rows at a time, each
-    tile read once for them). At 3-4 bits the x86 builds take the int8 GEMM first (:func:`uses_int8`).
+    tile read once for them). At 3-4 bits the int8 GEMM comes first where the build and CPU have one
+    (:func:`uses_int8`).
 
     A LUT-GEMV's table lookups grow with bits × rows; the GEMM's dequantisation costs about the same
     at any width. Measured on a quiet 2-core AMD EPYC (768×2048, 2048×768 and 4096×2048, 2 threads,
@@ -138,14 +139,17 @@ INT8_FROM = 8  # rows from which 3-4-bit weights take the int8-activation GEMM w
 
 
 def uses_int8(rows: int, bits: int) -> bool:
-    """Quantise the activations to int8 and take byte dot products (AVX-512 VNNI, AVX2) from ``INT8_FROM`` rows at
-    3-4 bits, ahead of the dequantising GEMM: a LUT-GEMV row costs two lookups and two dot products per bit plane,
+    """Quantise the activations to int8 and take byte dot products (AVX-512 VNNI, AVX2, NEON on ARMv8.2's sdot) from
+    ``INT8_FROM`` rows at 3-4 bits, ahead of the dequantising GEMM: a LUT-GEMV row costs two lookups and two dot
+    products per bit plane,
     an int8 row one or two instructions per vector of weights once each tile is unpacked. Measured on a quiet
     2-core AMD EPYC (768×2048, 2048×768, 4096×2048 at 4 bits, 2 threads), int8 time / multi-row GEMV time: AVX-512
     0.85-0.96 at 8 rows, 0.63-0.87 at 64-1024; AVX2 1.11-1.17 at 4 rows, 0.80-0.89 at 8, 0.62-0.75 at 16-256.
     Against the dequantising GEMM it takes 0.22-0.56 of the time on AVX-512 (8-1024 rows) and 0.42-0.64 on AVX2.
     Its error is the LUT-GEMV's kind and size (spec.int8_gemv; NMSE against fp32 3.5e-5 where the LUT-GEMV's is
-    5.7e-5 on Gaussian weights and activations)."""
+    5.7e-5 on Gaussian weights and activations). NEON keeps the x86 rows: not measured, and by llvm-mca's estimate
+    its inner loop (four rows against a tile, sdot) does 32 / 41 / 88 / 59 multiply-adds a cycle on Cortex-A76 /
+    A55 / Neoverse V1 / Apple M1, 3.7-10x what their fp32 fmla issue allows (8 / 4 / 16 / 16)."""
     return rows >= INT8_FROM and 3 <= bits <= 4
 
 

@@ -111,14 +111,14 @@ def test_several_rows_in_one_call_equal_each_row_alone(lut, case, count):
 
 @pytest.mark.parametrize("case", [c for c in CASES if 3 <= c[0] <= 4], ids=str)
 def test_int8_gemm_is_its_spec(lut, case):
-    """3-4-bit weights × int8 activations (prefill on the AVX-512 and AVX2 builds): spec.int8_gemv row by row, to
-    the float rounding of the epilogue (including every-other-group zero inputs and exact .5 ties, which round to
-    even); 11 rows take full and partial passes of either build's row count. Builds without byte dot products
-    decline (None)."""
+    """3-4-bit weights × int8 activations (prefill on the AVX-512, AVX2 and NEON builds, NEON with ARMv8.2's dot
+    products, which qemu's CPU has): spec.int8_gemv row by row, to the float rounding of the epilogue (including
+    every-other-group zero inputs and exact .5 ties, which round to even); 11 rows take full and partial passes of
+    each build's row count. Builds without byte dot products decline (None)."""
     packed, tiled, _ = make(case)
     x = activations(np.random.default_rng(3), (11, packed.meta.shape[1]), packed.meta.group)
     y = lut.gemm_int8(tiled, x)
-    if lut.isa not in ("avx512", "avx2"):
+    if lut.isa not in ("avx512", "avx2", "neon"):
         assert y is None
         return
     ref = np.stack([spec.int8_gemv(packed, row) for row in x])
@@ -163,7 +163,7 @@ def test_outputs_are_within_nmse_of_fp32_dequant_then_matmul(lut):
         x = rng.standard_normal((8, 1024)).astype(np.float32)
         ref = x @ w.T
         for y in (lut.gemv(tiled, x), lut.gemm(tiled, x), lut.gemm_int8(tiled, x)):
-            if y is not None:  # (the int8 GEMM: AVX-512 and AVX2 builds, 3-4 bits)
+            if y is not None:  # (the int8 GEMM: AVX-512, AVX2 and NEON builds, 3-4 bits)
                 assert np.mean((y - ref) ** 2) / np.mean(ref**2) <= 2e-4
 
 

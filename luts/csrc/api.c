@@ -7,6 +7,13 @@
 #include "lut.h"
 #include "isa.h"
 
+#if defined(NEON_INT8_DOTS) && !defined(__ARM_FEATURE_DOTPROD) && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#endif
+
 typedef struct {
     const char *name;
     void (*tables8)(const float *, int, int, int, void *, float *, int32_t *);
@@ -30,7 +37,12 @@ static const lut_isa ISA =
     {"avx2", tables_avx2, gemv_avx2, dequant_tile_avx2, gemm_avx2, AVX2_MR, gemv_multi_avx2, AVX2_GEMV_MR, gemm_i8_avx2,
      int8_rows_avx2, bf16_gemm_avx2, bf16_xtb_avx2};
 #elif defined(NPUMOE_ISA_NEON)
-    {"neon", tables_neon, gemv_neon, dequant_tile_neon, gemm_neon, NEON_MR, gemv_multi_neon, NEON_GEMV_MR, NULL, NULL,
+    {"neon", tables_neon, gemv_neon, dequant_tile_neon, gemm_neon, NEON_MR, gemv_multi_neon, NEON_GEMV_MR,
+#ifdef NEON_INT8_DOTS
+     gemm_i8_neon, int8_rows_neon,
+#else
+     NULL, NULL,
+#endif
      bf16_gemm_neon, bf16_xtb_neon};
 #else
     {"portable", tables_portable, gemv_portable, dequant_tile_portable, gemm_portable, 1, NULL, 1, NULL, NULL, NULL,
@@ -363,8 +375,20 @@ static void gemm_i8_range(void *ctx, int rb0, int rb1) {
 
 /* y [m][row_blocks*16] = x [m][k] · Wᵀ with x quantised to int8 per group (3-4-bit weights, prefill). Returns -2
  * where this build has no int8 GEMM, -1 if it cannot allocate. */
+/* Whether this CPU runs the build's int8 GEMM: a NEON build compiled for ARMv8.0 carries one for ARMv8.2's dot
+ * products, which only the OS reports. */
+static int int8_dots_usable(void) {
+#if !defined(NEON_INT8_DOTS) || defined(__ARM_FEATURE_DOTPROD)
+    return 1;
+#elif defined(__linux__)
+    return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#else
+    return 0;
+#endif
+}
+
 NPUMOE_API int npumoe_lut_gemm_i8(const lut_weight *w, const float *x, int m, float *y, int threads) {
-    if (!ISA.gemm_i8 || w->bits < 3 || w->bits > 4) return -2;
+    if (!ISA.gemm_i8 || !int8_dots_usable() || w->bits < 3 || w->bits > 4) return -2;
     const int groups = w->k / w->group;
     int8_t *xq = malloc((size_t)m * w->k);
     float *xs = malloc(sizeof(float) * m * groups);

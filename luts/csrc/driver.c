@@ -10,6 +10,7 @@
  *             op 4 gemm:    x[m][k] f32, weight       -> y[m][NB*16] f32
  *             op 5 bf16:    x[m][k] f32, w[NB][k] bf16 -> y[m][NB] f32   (NB: rows, not blocks, here)
  *             op 6 bf16 GEMM: as op 5
+ *             op 7 int8 GEMM: x[m][k] f32, weight -> y[m][NB*16] f32; exit status 3 where the build or CPU has none
  *   weight:   tiles[NB][k/32][bits][64] u8, scales[NB][G][16] f16, zeros[NB][G][16] u8 if has_zeros
  */
 #include <stdio.h>
@@ -24,6 +25,7 @@ void npumoe_lut_dequant(const lut_weight *, float *, int);
 int npumoe_lut_gemm(const lut_weight *, const float *, int, float *, int);
 int npumoe_bf16_gemv(const uint16_t *, const float *, int, int, int, float *, int);
 int npumoe_bf16_gemm(const uint16_t *, const float *, int, int, int, float *, int);
+int npumoe_lut_gemm_i8(const lut_weight *, const float *, int, float *, int);
 
 static void *take(FILE *f, size_t bytes) {
     void *p = malloc(bytes ? bytes : 1);
@@ -57,7 +59,7 @@ int main(int argc, char **argv) {
     float *x = op == 1 ? take(in, sizeof(float) * k) : op != 3 ? take(in, sizeof(float) * m * k) : NULL;
     uint8_t *tiles = NULL, *zeros = NULL;
     uint16_t *scales = NULL;
-    if (op >= 2 && op <= 4) {
+    if ((op >= 2 && op <= 4) || op == 7) {
         tiles = take(in, (size_t)nb * (k / LUT_TILE_K) * bits * LUT_TILE_BYTES);
         scales = take(in, sizeof(uint16_t) * rows * groups);
         zeros = h[7] ? take(in, rows * groups) : NULL;
@@ -84,6 +86,11 @@ int main(int argc, char **argv) {
     } else if (op == 4) {
         float *y = malloc(sizeof(float) * m * rows);
         if (npumoe_lut_gemm(&w, x, m, y, threads)) return 1;
+        give(out, y, sizeof(float) * m * rows);
+    } else if (op == 7) {
+        float *y = malloc(sizeof(float) * m * rows);
+        const int status = npumoe_lut_gemm_i8(&w, x, m, y, threads);
+        if (status) return status == -2 ? 3 : 1;
         give(out, y, sizeof(float) * m * rows);
     } else if (op == 5 || op == 6) {
         uint16_t *bf16 = take(in, sizeof(uint16_t) * nb * k);

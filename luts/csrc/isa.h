@@ -43,5 +43,11 @@ ISA_INT8_KERNELS(avx512)
 ISA_KERNELS(avx2)
 ISA_INT8_KERNELS(avx2)
 ISA_KERNELS(neon)
+/* NEON's int8 GEMM takes ARMv8.2's dot products (sdot): built where the compiler targets them, or (GCC) can
+ * target them in the int8 functions alone, and run only where the CPU reports them (npumoe_lut_gemm_i8). */
+#if defined(__aarch64__) && (defined(__ARM_FEATURE_DOTPROD) || (defined(__GNUC__) && !defined(__clang__)))
+#define NEON_INT8_DOTS 1
+ISA_INT8_KERNELS(neon)
+#endif
 
 #endif

@@ -121,4 +121,54 @@ static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const u
         }
 }
 
+/* The int8 GEMM (simd_kernels.h) on ARMv8.2's sdot: four byte products a lane summed into int32, the activations'
+ * word as its lane operand, so one instruction per code vector and activation row (the fp32 GEMM's fmla takes four
+ * products). */
+#ifdef NEON_INT8_DOTS
+#define ISA_INT8_DOTS
+#ifdef __ARM_FEATURE_DOTPROD
+#define ISA_INT8_TARGET_BEGIN
+#define ISA_INT8_TARGET_END
+#else
+#define ISA_INT8_TARGET_BEGIN _Pragma("GCC push_options") _Pragma("GCC target(\"arch=armv8.2-a+dotprod\")")
+#define ISA_INT8_TARGET_END _Pragma("GCC pop_options")
+#endif
+#define I8_ROWS 4 /* 4 rows × 4 row vectors of accumulators */
+#define i_from_f vcvtnq_s32_f32 /* round half to even */
+#define i_mul vmulq_s32
+
+ISA_INT8_TARGET_BEGIN
+/* Rows 4rv..4rv+3 of a plane in row order: byte 4r + p from byte 16p + 4rv + r, one four-register tbl. */
+static inline vi plane_rows(const uint8_t *plane, int rv) {
+    static const uint8_t by_row[16] = {0, 16, 32, 48, 1, 17, 33, 49, 2, 18, 34, 50, 3, 19, 35, 51};
+    return S32(vqtbl4q_u8(vld1q_u8_x4(plane), vaddq_u8(vld1q_u8(by_row), vdupq_n_u8((uint8_t)(4 * rv)))));
+}
+
+/* A tile's 32 activations (int32, |·| ≤ 127) as int8, input 16h + 4p + j to byte 4(4h + j) + p: narrowed in input
+ * order (q[4h + p] lane j is input 16h + 4p + j), then a 4 × 4 byte transpose per half. */
+static inline void i8_store_tile(int8_t *to, const vi *q) {
+    static const uint8_t transpose[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+    for (int h = 0; h < 2; h++) {
+        const int16x8_t p01 = vcombine_s16(vmovn_s32(q[4 * h]), vmovn_s32(q[4 * h + 1]));
+        const int16x8_t p23 = vcombine_s16(vmovn_s32(q[4 * h + 2]), vmovn_s32(q[4 * h + 3]));
+        vst1q_s8(to + 16 * h, vqtbl1q_s8(vcombine_s8(vmovn_s16(p01), vmovn_s16(p23)), vld1q_u8(transpose)));
+    }
+}
+
+/* acc[rv] lane r += Σ_{h,j,p} (byte 4r + p of codes[rv][h][j]) · a[4(4h + j) + p]: activation word j of each 16
+ * bytes is sdot's lane operand for codes[rv][h][j] (codes are 0-15, so signed bytes too). */
+static inline __attribute__((always_inline)) void i8_tile_dots(vi acc[], const vi codes[][2][4], const int8_t *a) {
+    for (int h = 0; h < 2; h++) {
+        const int8x16_t x = vld1q_s8(a + 16 * h);
+        for (int rv = 0; rv < LUT_ROWS / W; rv++) {
+            acc[rv] = vdotq_laneq_s32(acc[rv], vreinterpretq_s8_s32(codes[rv][h][0]), x, 0);
+            acc[rv] = vdotq_laneq_s32(acc[rv], vreinterpretq_s8_s32(codes[rv][h][1]), x, 1);
+            acc[rv] = vdotq_laneq_s32(acc[rv], vreinterpretq_s8_s32(codes[rv][h][2]), x, 2);
+            acc[rv] = vdotq_laneq_s32(acc[rv], vreinterpretq_s8_s32(codes[rv][h][3]), x, 3);
+        }
+    }
+}
+ISA_INT8_TARGET_END
+#endif
+
 #include "simd_kernels.h"

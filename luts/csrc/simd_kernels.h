@@ -462,6 +462,7 @@ void ISA(bf16_gemm)(const uint16_t *w, int n, int k, const float *xtb, int m, in
 }
 
 #ifdef ISA_INT8_DOTS
+ISA_INT8_TARGET_BEGIN
 /* ---- prefill with int8 activations ----
  *
  * At 3-4 bits a LUT-GEMV row costs two table lookups and two dot products per bit plane, where a 4-way byte dot
@@ -471,6 +472,7 @@ void ISA(bf16_gemm)(const uint16_t *w, int n, int k, const float *xtb, int m, in
  * (spec.quantize_activations), are dotted with them: y = Σ_g s·xs_g·(Σ q·xq − z·Σ xq).
  *
  * Vocabulary: I8_ROWS (activation rows a pass), i_from_f (float → int32, half to even), i_mul (int32 low product),
+ * ISA_INT8_TARGET_BEGIN / _END (what the section's functions need beyond the build's flags, or nothing),
  * plane_rows(plane, rv) (row vector rv of a plane in row order, byte 4r + p),
  * i8_tile_dots(acc[RV], codes[RV][2][4], a): acc[rv] lane r += Σ_{h,j,p} (byte 4r + p of codes[rv][h][j]) ·
  * a[4(4h + j) + p], and i8_store_tile(to, q[32/W]): a tile's 32 activations (int32, |·| ≤ 127) as int8, input
@@ -601,4 +603,5 @@ void ISA(int8_rows)(const float *x, int m, int k, int group, int8_t *xq, float *
             xsum[(size_t)i * groups + g] = sum;
         }
 }
+ISA_INT8_TARGET_END
 #endif

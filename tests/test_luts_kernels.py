@@ -125,6 +125,12 @@ def test_int8_gemm_is_its_spec(lut, case):
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+def test_int8_gemm_declines_other_widths(lut):
+    """2-bit weights stay on the LUT-GEMV: every build declines them (the emulated driver by its exit status)."""
+    packed = spec.quantize_pack(np.random.default_rng(5).standard_normal((16, 64)).astype(np.float32), 2, 32, False)
+    assert lut.gemm_int8(layout.to_tiles(packed), np.ones((9, 64), np.float32)) is None
+
+
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_lut_dequantisation_is_bit_exact_and_gemm_matches_fp64(lut, case):
     packed, tiled, x = make(case)

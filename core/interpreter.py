@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from npumoe.core.backend import check_feed
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op, Role
 from npumoe.luts.decode import swiglu_expert, swiglu_experts
-from npumoe.luts.torch_op import bf16_linear, bf16_linear_many, held_threads, lut_linear_many, on_held_threads
+from npumoe.luts.torch_op import (bf16_linear, bf16_linear_many, bf16_path, held_threads, lut_linear_many,
+                                  on_held_threads)
 
 
 def _rmsnorm(x, w, *, eps):
@@ -264,6 +265,21 @@ class TorchGraphExecutor:
         construction, reports)."""
         return _swiglu_record(self.graph, self._steps)
 
+    @functools.cached_property
+    def swiglu_matrices(self) -> tuple | None:
+        """(gate, up, down) when this graph is one plain SwiGLU expert, else None."""
+        return _swiglu_matrices(self.graph, self._steps)
+
+    @staticmethod
+    def prompt_many(executors: list[TorchGraphExecutor], x: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        """Expert i's ``counts[i]`` consecutive rows of x through expert i, for a prompt's experts of bf16 SwiGLU
+        matrices (:func:`_bf16_swiglu_prompt`): their outputs' rows in x's order; None where that does not apply
+        (the caller then runs each graph)."""
+        matrices = [e.swiglu_matrices for e in executors]
+        if not matrices or any(m is None for m in matrices):
+            return None
+        return _bf16_swiglu_prompt(matrices, x, counts)
+
     @staticmethod
     def combine_many(executors: list[TorchGraphExecutor], x: torch.Tensor, weights: torch.Tensor):
         """Σ_i weights[i] · executor_i({"x": x})["y"] for one token through every expert in one kernel call (a
@@ -275,9 +291,9 @@ class TorchGraphExecutor:
         return swiglu_experts(records, weights, x)
 
 
-def _swiglu_record(graph: Graph, steps: list):
-    """The fused kernel's record of a one-expert graph computing y = down(silu(gate x) ⊙ up x) with no biases, or
-    None for any other graph."""
+def _swiglu_matrices(graph: Graph, steps: list) -> tuple | None:
+    """(gate, up, down) of a one-expert graph computing y = down(silu(gate x) ⊙ up x) with no biases, as its linear
+    steps hold them (tensors or packed matrices), or None for any other graph."""
     if graph.kind != "experts" or len(steps) != 5 or list(graph.outputs) != ["y"]:
         return None
     (gate, g_args, _, (g,)), (up, u_args, _, (u,)), (act, a_args, a_attrs, (a,)), (mul, m_args, _, (h,)), \
@@ -287,7 +303,36 @@ def _swiglu_record(graph: Graph, steps: list):
             and mul is torch.mul and len(g_args) == len(u_args) == len(d_args) == 2 and g_args[0] == u_args[0] == "x"
             and a_args == [g] and m_args == [a, u] and d_args[0] == h and y == "y"):
         return None
-    return swiglu_expert(g_args[1], u_args[1], d_args[1])
+    return g_args[1], u_args[1], d_args[1]
+
+
+def _swiglu_record(graph: Graph, steps: list):
+    """The fused kernel's record of a one-expert SwiGLU graph (:func:`_swiglu_matrices`), or None."""
+    matrices = _swiglu_matrices(graph, steps)
+    return None if matrices is None else swiglu_expert(*matrices)
+
+
+def _bf16_swiglu_prompt(matrices: list[tuple], x: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+    """Each expert's rows of x (consecutive, ``counts`` of them each) through its bf16 SwiGLU matrices, into one
+    [rows, out] tensor: every expert's gate and up products written into two buffers by one batched kernel call,
+    silu and the product over those whole buffers, then the down products by another, where stepping each expert's
+    graph took four torch calls per expert. The same kernels and elementwise ops on the same rows, so the same
+    values. None where a matrix is not bf16 or the kernels do not take every product."""
+    gates, ups, downs = zip(*matrices)
+    if not all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in gates + ups + downs):
+        return None
+    rows = x.shape[0]
+    g, u, h = (torch.empty(rows, gates[0].shape[0]) for _ in range(3))
+    y = torch.empty(rows, downs[0].shape[0])
+    xs, hs = torch.split(x, counts), torch.split(h, counts)
+    if any(bf16_path(a, w) is None for a, w in zip(xs * 2 + hs, gates + ups + downs)):
+        return None
+    pairs = [(part, w, out) for trio in zip(xs, gates, torch.split(g, counts), xs, ups, torch.split(u, counts))
+             for part, w, out in (trio[:3], trio[3:])]  # an expert's gate and up side by side: x transposed once
+    bf16_linear_many(*map(list, zip(*pairs)))
+    torch.mul(F.silu(g), u, out=h)
+    bf16_linear_many(list(hs), list(downs), list(torch.split(y, counts)))
+    return y
 
 
 def _batchable(step) -> bool:

@@ -184,7 +184,7 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """x [..., K] (fp32) · Wᵀ for a C-contiguous bf16 W through the bf16 kernels, reading W once at
     2 bytes a weight; None where they do not apply (more rows than the GEMV pays for on a CPU without the
     dot-product GEMM, a strided W)."""
-    path = _bf16_path(x, w)
+    path = bf16_path(x, w)
     if path is None:
         return None
     k = x.shape[-1]
@@ -205,16 +205,19 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     return y
 
 
-def bf16_linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
+def bf16_linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor],
+                     outs: list[torch.Tensor] | None = None) -> list[torch.Tensor | None] | None:
     """``bf16_linear`` of each (x, W) pair the kernels take, in one kernel call per path (the GEMV, the dot-product
     GEMM, the widening GEMM); None in the place of a pair they do not take (the caller runs that one its own way),
-    and None for all when they take none or the kernels run emulated."""
+    and None for all when they take none or the kernels run emulated. ``outs``: contiguous fp32 tensors to write
+    each pair's product into (the caller's slices of one buffer), else new ones."""
     calls = _kernels().calls
-    paths = [_bf16_path(x, w) for x, w in zip(xs, ws)]
+    paths = [bf16_path(x, w) for x, w in zip(xs, ws)]
     if not hasattr(calls, "bf16_gemv_many_at") or not any(paths):
         return None
     xs = [x.contiguous() if path else x for x, path in zip(xs, paths)]
-    ys = [torch.empty(*x.shape[:-1], w.shape[0]) if path else None for x, w, path in zip(xs, ws, paths)]
+    ys = [(out if outs else torch.empty(*x.shape[:-1], w.shape[0])) if path else None
+          for x, w, path, out in zip(xs, ws, paths, outs or ws)]
     for path, run in (("gemv", calls.bf16_gemv_many_at), ("dot", getattr(calls, "bf16_dot_gemm_many_at", None)),
                       ("gemm", calls.bf16_gemm_many_at)):
         tasks = [(w.data_ptr(), x.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], *w.shape)
@@ -242,7 +245,7 @@ def lut_linear_many(xs: list[torch.Tensor], linears: list[LutLinear]) -> list[to
     return [y if lin.bias is None else y + lin.bias for y, lin in zip(out, linears)]
 
 
-def _bf16_path(x: torch.Tensor, w: torch.Tensor) -> str | None:
+def bf16_path(x: torch.Tensor, w: torch.Tensor) -> str | None:
     """Which bf16 kernel takes x · Wᵀ: "dot" (the dot-product GEMM, from BF16_DOT_FROM rows where the CPU has
     it and K is a multiple of 32), else "gemm" (the widening GEMM, from BF16_GEMM_FROM[isa] rows on SIMD builds, K
     a multiple of 16), "gemv" (up to BF16_GEMV_MAX_ROWS[isa] rows), or None; fp32 activations, a C-contiguous bf16

@@ -280,6 +280,34 @@ def test_experts_run_side_by_side_equal_each_run_alone():
     assert torch.equal(mixed[0]["y"], executors[0](inputs[0])["y"]) and torch.equal(mixed[1]["y"], pair(x)["y"])
 
 
+def test_a_prompts_experts_in_one_pass_equal_each_run_alone():
+    """TorchGraphExecutor.prompt_many (a prompt's bf16 SwiGLU experts: gate and up products into two buffers by one
+    kernel call, silu and product over the whole buffers, the down products by another) gives each expert's rows
+    exactly what running its graph gives, and declines experts that are not plain bf16 SwiGLUs."""
+    import npumoe
+    from npumoe.luts.kernels import kernels
+
+    model = npumoe.load(dtype="bfloat16")
+    layer = model.spec.moe_layers[0]
+    executors = [TorchGraphExecutor(experts_graph(model.spec, layer, (e,), (1,), f"e{e}"), model.weights)
+                 for e in range(4)]
+    counts = [1, 5, 20, 3]  # the GEMV and a GEMM (the portable build has no GEMM: it declines)
+    torch.manual_seed(0)
+    x = torch.randn(sum(counts), model.spec.hidden_size)
+    got = TorchGraphExecutor.prompt_many(executors, x, counts)
+    if got is None:
+        assert kernels().isa == "portable"
+        got = TorchGraphExecutor.prompt_many(executors[:2], x[:6], counts[:2])
+        x, counts = x[:6], counts[:2]
+    want = torch.cat([run({"x": part})["y"] for run, part in zip(executors, torch.split(x, counts))])
+    assert torch.equal(got, want)
+    pair = TorchGraphExecutor(experts_graph(model.spec, layer, (0, 1), (2, 2), "pair"), model.weights)  # two experts
+    assert TorchGraphExecutor.prompt_many([executors[0], pair], x[:5], [1, 4]) is None
+    graph = executors[0].graph
+    fp32 = TorchGraphExecutor(graph, {n: model.weights[n].float() for n in graph.weight_names()})
+    assert TorchGraphExecutor.prompt_many([fp32], x[:2], [2]) is None
+
+
 def test_packed_experts_side_by_side_equal_each_linear_called_alone(tmp_path, monkeypatch):
     """A decode step's packed experts (npumoe quantize) run side by side, their LUT-GEMVs batched into one
     kernel call per step, give exactly what calling every linear on its own gives."""

@@ -166,10 +166,9 @@ static void bf16_block(const bf16_job *job, int r) {
     }
     int i = 0;
 #if VL == 16
-    for (; i + 1 < job->m; i += 2) {
-        if (i == 0) /* the next block's lines into L2, as the one-row loop asks for them */
-            for (int kk = 0; kk < kv; kk += 32)
-                for (int j = 0; j < BF16_ROWS; j++) __builtin_prefetch(w[j] + kk + next, 0, 2);
+    for (const int passes = job->m / 2; i + 1 < job->m; i += 2) {
+        for (int kk = 32 * (i / 2); kk < kv; kk += 32 * passes) /* the next block's lines into L2, a share a pass */
+            for (int j = 0; j < BF16_ROWS; j++) __builtin_prefetch(w[j] + kk + next, 0, 2);
         bf16_block_pair(job, i, w, r, rows);
     }
 #endif

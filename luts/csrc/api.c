@@ -25,7 +25,7 @@ typedef struct {
     int gemv_mr; /* the most activation rows gemv8_multi takes at once */
     void (*gemm_i8)(const lut_weight *, const int8_t *, const float *, const int32_t *, int, int, int, float *, int);
     void (*int8_rows)(const float *, int, int, int, int8_t *, float *, int32_t *); /* its activations */
-    void (*bf16_gemm)(const uint16_t *, int, int, const float *, int, int, int, float *); /* or NULL */
+    void (*bf16_gemm)(const uint16_t *, int, int, const float *, const float *, int, int, int, float *); /* or NULL */
     void (*bf16_xtb)(const float *, int, int, int, int, float *);                         /* its activations */
 } lut_isa;
 
@@ -290,7 +290,7 @@ static void bf16_xtb_span(void *ctx, int t, int blk0, int blk1) {
 
 static void bf16_gemm_span(void *ctx, int t, int b0, int b1) {
     const bf16_gemm_job *job = (const bf16_gemm_job *)ctx + t;
-    ISA.bf16_gemm(job->w, job->n, job->k, job->xtb, job->m, b0, b1, job->y);
+    ISA.bf16_gemm(job->w, job->n, job->k, job->x, job->xtb, job->m, b0, b1, job->y);
 }
 
 /* An earlier task of these with task t's very x, or -1. */

@@ -13,7 +13,8 @@
                           int rows);                                                                             \
     void dequant_tile_##isa(const lut_weight *w, int rb, int kt, float *panel, int ld);                               \
     void gemm_##isa(const lut_weight *w, const float *xt, int m_pad, int m, int rb0, int rb1, float *y, int ldy);    \
-    void bf16_gemm_##isa(const uint16_t *w, int n, int k, const float *xtb, int m, int b0, int b1, float *y); \
+    void bf16_gemm_##isa(const uint16_t *w, int n, int k, const float *x, const float *xtb, int m, int b0, int b1, \
+                         float *y);                                                                                 \
     void bf16_xtb_##isa(const float *x, int m, int k, int blk0, int blk1, float *xtb);
 
 #define AVX512_MR 8 /* GEMM microkernel: 8 activation rows × 32 output rows */

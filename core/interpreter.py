@@ -15,8 +15,7 @@ import torch.nn.functional as F
 from npumoe.core.backend import check_feed
 from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op, Role
 from npumoe.luts.decode import swiglu_expert, swiglu_experts
-from npumoe.luts.torch_op import (bf16_linear, bf16_linear_many, bf16_path, held_threads, lut_linear_many,
-                                  on_held_threads)
+from npumoe.luts.torch_op import bf16_linear, bf16_linear_many, held_threads, lut_linear_many, on_held_threads
 
 
 def _rmsnorm(x, w, *, eps):
@@ -273,10 +272,12 @@ class TorchGraphExecutor:
     @staticmethod
     def prompt_many(executors: list[TorchGraphExecutor], x: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
         """Expert i's ``counts[i]`` consecutive rows of x through expert i, for a prompt's experts of bf16 SwiGLU
-        matrices (:func:`_bf16_swiglu_prompt`): their outputs' rows in x's order; None where that does not apply
-        (the caller then runs each graph)."""
+        matrices of one shape (:func:`_bf16_swiglu_prompt`): their outputs' rows in x's order; None where that does
+        not apply (the caller then runs each graph)."""
         matrices = [e.swiglu_matrices for e in executors]
-        if not matrices or any(m is None for m in matrices):
+        if not matrices or any(m is None or not all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16
+                                                    for w in m) for m in matrices) \
+                or len({tuple(w.shape for w in m) for m in matrices}) != 1:
             return None
         return _bf16_swiglu_prompt(matrices, x, counts)
 
@@ -312,30 +313,32 @@ def _swiglu_record(graph: Graph, steps: list):
     return None if matrices is None else swiglu_expert(*matrices)
 
 
-def _bf16_swiglu_prompt(matrices: list[tuple], x: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+def _bf16_swiglu_prompt(matrices: list[tuple], x: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Each expert's rows of x (consecutive, ``counts`` of them each) through its bf16 SwiGLU matrices, into one
     [rows, out] tensor: every expert's gate and up products written into two buffers by one batched kernel call,
     silu and the product over those whole buffers, then the down products by another, where stepping each expert's
-    graph took four torch calls per expert. The same kernels and elementwise ops on the same rows, so the same
-    values. None where a matrix is not bf16, the experts differ in shape, or the kernels do not take every
-    product."""
+    graph took four torch calls per expert. The same kernels (or, for a product they do not take, the same
+    :func:`_linear`) and elementwise ops on the same rows, so the same values."""
     gates, ups, downs = zip(*matrices)
-    if not all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in gates + ups + downs) or \
-            len({(g.shape, u.shape, d.shape) for g, u, d in matrices}) != 1:
-        return None
     rows = x.shape[0]
     g, u, h = (torch.empty(rows, gates[0].shape[0]) for _ in range(3))
     y = torch.empty(rows, downs[0].shape[0])
     xs, hs = torch.split(x, counts), torch.split(h, counts)
-    if any(bf16_path(a, w) is None for a, w in zip(xs * 2 + hs, gates + ups + downs)):
-        return None
     # each expert's gate and up side by side, its rows of x still in cache for the second (~2 ms of ~115 a layer)
     gs, us = torch.split(g, counts), torch.split(u, counts)
     pairs = [(part, w, out) for part, gw, uw, go, uo in zip(xs, gates, ups, gs, us) for w, out in ((gw, go), (uw, uo))]
-    bf16_linear_many(*(list(column) for column in zip(*pairs)))
+    _linears_into(*(list(column) for column in zip(*pairs)))
     torch.mul(F.silu(g), u, out=h)
-    bf16_linear_many(list(hs), list(downs), list(torch.split(y, counts)))
+    _linears_into(list(hs), list(downs), list(torch.split(y, counts)))
     return y
+
+
+def _linears_into(xs: list[torch.Tensor], ws: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+    """outs[i] = xs[i] · ws[i]ᵀ: one batched bf16 kernel call, :func:`_linear` for what it does not take."""
+    done = bf16_linear_many(xs, ws, outs) or [None] * len(xs)
+    for x, w, out, y in zip(xs, ws, outs, done):
+        if y is None:
+            out.copy_(_linear(x, w))
 
 
 def _batchable(step) -> bool:

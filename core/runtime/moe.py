@@ -279,7 +279,7 @@ class MoELayer:
                     results = _run_side_by_side(executors, [{"x": part} for part in torch.split(x, counts)])
                     y = torch.cat([r["y"] for r in results])
             self._count_cpu_calls(len(experts), m)
-            out.index_add_(0, tokens, y * d.weight[pairs, None])
+            out.index_add_(0, tokens, y.mul_(d.weight[pairs, None]))  # (y: this call's own tensor)
         return out
 
     def _reroute(self, d: Dispatch, layout: Layout, experts: torch.Tensor, logits: torch.Tensor,

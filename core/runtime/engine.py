@@ -22,6 +22,7 @@ from npumoe.core.backend import Executor
 from npumoe.core.interpreter import TorchGraphExecutor
 from npumoe.core.program import Program, build_program
 from npumoe.core.rope import cos_sin, short_context
+from npumoe.core.runtime.allocator import keep_freed_blocks
 from npumoe.core.runtime.fused import attention_block
 from npumoe.core.runtime.kvcache import DecodeMasks, KVCache, attention_mask
 from npumoe.core.runtime.metrics import Metrics
@@ -72,6 +73,7 @@ class Engine:
         compete with the CPU experts for its cores. ``buffering``: a prompt longer than a chunk runs layer by layer
         (under spill only): each layer's routed tokens wait per expert for full NPU launches, and each CPU expert
         reads its weights once for all of its tokens."""
+        keep_freed_blocks()  # (process-wide, once: see npumoe.core.runtime.allocator)
         self.model = model
         self.backend_options = dict(backend_options or {})
         self.on_route = on_route

@@ -72,8 +72,11 @@ class Engine:
         where they run on a device (``backend`` not cpu): here, NPU-placed graphs computed by the CPU would only
         compete with the CPU experts for its cores. ``buffering``: a prompt longer than a chunk runs layer by layer
         (under spill only): each layer's routed tokens wait per expert for full NPU launches, and each CPU expert
-        reads its weights once for all of its tokens."""
-        keep_freed_blocks()  # (process-wide, once: see npumoe.core.runtime.allocator)
+        reads its weights once for all of its tokens.
+        The first Engine of a process raises glibc's mmap and trim thresholds for it (32 MB, 256 MB: see
+        :mod:`npumoe.core.runtime.allocator`); set ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` to keep
+        your own."""
+        keep_freed_blocks()
         self.model = model
         self.backend_options = dict(backend_options or {})
         self.on_route = on_route

@@ -184,7 +184,7 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """x [..., K] (fp32) · Wᵀ for a C-contiguous bf16 W through the bf16 kernels, reading W once at
     2 bytes a weight; None where they do not apply (more rows than the GEMV pays for on a CPU without the
     dot-product GEMM, a strided W)."""
-    path = bf16_path(x, w)
+    path = _bf16_path(x, w)
     if path is None:
         return None
     k = x.shape[-1]
@@ -212,7 +212,7 @@ def bf16_linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor],
     and None for all when they take none or the kernels run emulated. ``outs``: contiguous fp32 tensors to write
     each pair's product into (the caller's slices of one buffer), else new ones."""
     calls = _kernels().calls
-    paths = [bf16_path(x, w) for x, w in zip(xs, ws)]
+    paths = [_bf16_path(x, w) for x, w in zip(xs, ws)]
     if not hasattr(calls, "bf16_gemv_many_at") or not any(paths):
         return None
     xs = [x.contiguous() if path else x for x, path in zip(xs, paths)]
@@ -245,7 +245,7 @@ def lut_linear_many(xs: list[torch.Tensor], linears: list[LutLinear]) -> list[to
     return [y if lin.bias is None else y + lin.bias for y, lin in zip(out, linears)]
 
 
-def bf16_path(x: torch.Tensor, w: torch.Tensor) -> str | None:
+def _bf16_path(x: torch.Tensor, w: torch.Tensor) -> str | None:
     """Which bf16 kernel takes x · Wᵀ: "dot" (the dot-product GEMM, from BF16_DOT_FROM rows where the CPU has
     it and K is a multiple of 32), else "gemm" (the widening GEMM, from BF16_GEMM_FROM[isa] rows on SIMD builds, K
     a multiple of 16), "gemv" (up to BF16_GEMV_MAX_ROWS[isa] rows), or None; fp32 activations, a C-contiguous bf16

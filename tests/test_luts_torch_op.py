@@ -82,7 +82,7 @@ BF16_DOT = torch_op._kernels().calls.bf16_dot if hasattr(torch_op._kernels().cal
 def bf16_truth(x, w, b=None):
     """What the CPU executor's linear on a bf16 matrix computes: the dot-product GEMM's product of bf16-rounded
     activations (spec.bf16_dot_gemm) where it takes the rows, else fp32 math on the widened weights."""
-    if torch_op.bf16_path(x, w) == "dot":
+    if torch_op._bf16_path(x, w) == "dot":
         y = torch.from_numpy(spec.bf16_dot_gemm(w.view(torch.int16).numpy(), x.reshape(-1, x.shape[-1]).numpy()))
         y = y.reshape(*x.shape[:-1], w.shape[0])
         return y if b is None else y + b
@@ -109,7 +109,7 @@ def test_bf16_linear_takes_the_path_its_rows_call_for(rows, dot, monkeypatch):
         monkeypatch.setattr(torch_op, "BF16_DOT_FROM", 1 << 30)
     torch.manual_seed(rows)
     w, x, b = torch.randn(70, 96).to(torch.bfloat16), torch.randn(rows, 96), torch.randn(70)
-    path = torch_op.bf16_path(x, w)
+    path = torch_op._bf16_path(x, w)
     isa = _kernels().isa
     assert path == ("dot" if dot and BF16_DOT and rows >= torch_op.BF16_DOT_FROM
                     else "gemm" if rows >= torch_op.BF16_GEMM_FROM.get(isa, 1 << 30)
@@ -176,7 +176,7 @@ def test_bf16_linears_batched_in_one_call_equal_each_alone(dot, monkeypatch):
     xs.insert(4, xs[3]), ws.insert(4, torch.randn(24, 32).to(torch.bfloat16))  # 16 rows: the GEMM's, on SIMD builds
     batched = bf16_linear_many(xs, ws)
     for x, w, y in zip(xs, ws, batched):
-        assert (y is None) == (torch_op.bf16_path(x, w) is None)  # (50 rows: no GEMV or GEMM on portable builds)
+        assert (y is None) == (torch_op._bf16_path(x, w) is None)  # (50 rows: no GEMV or GEMM on portable builds)
         if y is not None:
             assert torch.equal(y, bf16_linear(x, w))
             torch.testing.assert_close(y, bf16_truth(x, w), rtol=0, atol=1e-4)

@@ -262,7 +262,7 @@ class TorchGraphExecutor:
         """This graph's record for the fused expert kernel calls when it is one plain SwiGLU expert (fp32, bf16 or
         packed matrices), else None (asked at first use: it needs the kernels, whose absence the first run, not the
         construction, reports)."""
-        return _swiglu_record(self.graph, self._steps)
+        return None if self.swiglu_matrices is None else swiglu_expert(*self.swiglu_matrices)
 
     @functools.cached_property
     def swiglu_matrices(self) -> tuple | None:
@@ -305,12 +305,6 @@ def _swiglu_matrices(graph: Graph, steps: list) -> tuple | None:
             and a_args == [g] and m_args == [a, u] and d_args[0] == h and y == "y"):
         return None
     return g_args[1], u_args[1], d_args[1]
-
-
-def _swiglu_record(graph: Graph, steps: list):
-    """The fused kernel's record of a one-expert SwiGLU graph (:func:`_swiglu_matrices`), or None."""
-    matrices = _swiglu_matrices(graph, steps)
-    return None if matrices is None else swiglu_expert(*matrices)
 
 
 def _bf16_swiglu_prompt(matrices: list[tuple], x: torch.Tensor, counts: list[int]) -> torch.Tensor:

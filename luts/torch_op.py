@@ -141,10 +141,10 @@ INT8_FROM = 8  # rows from which 3-4-bit weights take the int8-activation GEMM w
 def uses_int8(rows: int, bits: int) -> bool:
     """Quantise the activations to int8 and take byte dot products (AVX-512 VNNI, AVX2, NEON on ARMv8.2's sdot) from
     ``INT8_FROM`` rows at 3-4 bits, ahead of the dequantising GEMM: a LUT-GEMV row costs two lookups and two dot
-    products per bit plane,
-    an int8 row one or two instructions per vector of weights once each tile is unpacked. Measured on a quiet
-    2-core AMD EPYC (768×2048, 2048×768, 4096×2048 at 4 bits, 2 threads), int8 time / multi-row GEMV time: AVX-512
-    0.85-0.96 at 8 rows, 0.63-0.87 at 64-1024; AVX2 1.11-1.17 at 4 rows, 0.80-0.89 at 8, 0.62-0.75 at 16-256.
+    products per bit plane, an int8 row one or two instructions per vector of weights once each tile is unpacked.
+    Measured on a quiet 2-core AMD EPYC (768×2048, 2048×768, 4096×2048 at 4 bits, 2 threads), int8 time /
+    multi-row GEMV time: AVX-512 0.85-0.96 at 8 rows, 0.63-0.87 at 64-1024; AVX2 1.11-1.17 at 4 rows, 0.80-0.89 at
+    8, 0.62-0.75 at 16-256.
     Against the dequantising GEMM it takes 0.22-0.56 of the time on AVX-512 (8-1024 rows) and 0.42-0.64 on AVX2.
     Its error is the LUT-GEMV's kind and size (spec.int8_gemv; NMSE against fp32 3.5e-5 where the LUT-GEMV's is
     5.7e-5 on Gaussian weights and activations). NEON keeps the x86 rows: not measured, and by llvm-mca's estimate
@@ -216,8 +216,8 @@ def bf16_linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor],
     if not hasattr(calls, "bf16_gemv_many_at") or not any(paths):
         return None
     xs = [x.contiguous() if path else x for x, path in zip(xs, paths)]
-    ys = [(out if outs else torch.empty(*x.shape[:-1], w.shape[0])) if path else None
-          for x, w, path, out in zip(xs, ws, paths, outs or ws)]
+    outs = outs or [torch.empty(*x.shape[:-1], w.shape[0]) if path else None for x, w, path in zip(xs, ws, paths)]
+    ys = [out if path else None for out, path in zip(outs, paths)]
     for path, run in (("gemv", calls.bf16_gemv_many_at), ("dot", getattr(calls, "bf16_dot_gemm_many_at", None)),
                       ("gemm", calls.bf16_gemm_many_at)):
         tasks = [(w.data_ptr(), x.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], *w.shape)

@@ -373,8 +373,6 @@ static void gemm_i8_range(void *ctx, int rb0, int rb1) {
     ISA.gemm_i8(job->w, job->xq, job->xs, job->xsum, job->m, rb0, rb1, job->y, job->w->row_blocks * LUT_ROWS);
 }
 
-/* y [m][row_blocks*16] = x [m][k] · Wᵀ with x quantised to int8 per group (3-4-bit weights, prefill). Returns -2
- * where this build has no int8 GEMM, -1 if it cannot allocate. */
 /* Whether this CPU runs the build's int8 GEMM: a NEON build compiled for ARMv8.0 carries one for ARMv8.2's dot
  * products, which only the OS reports. */
 static int int8_dots_usable(void) {
@@ -387,6 +385,8 @@ static int int8_dots_usable(void) {
 #endif
 }
 
+/* y [m][row_blocks*16] = x [m][k] · Wᵀ with x quantised to int8 per group (3-4-bit weights, prefill). Returns -2
+ * where this build (or, NEON, this CPU) has no int8 GEMM, -1 if it cannot allocate. */
 NPUMOE_API int npumoe_lut_gemm_i8(const lut_weight *w, const float *x, int m, float *y, int threads) {
     if (!ISA.gemm_i8 || !int8_dots_usable() || w->bits < 3 || w->bits > 4) return -2;
     const int groups = w->k / w->group;

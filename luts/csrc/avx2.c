@@ -200,8 +200,6 @@ static inline void group_totals(vi totals[2], const vi a[2][ACC], int32_t bias, 
  * and adds pairs into int16, which sum over a tile's 8 products per word (|·| ≤ 8 · 2 · 15 · 127 = 30480 at 4
  * bits) before vpmaddwd widens them once. */
 #define ISA_INT8_DOTS
-#define ISA_INT8_TARGET_BEGIN /* (the build's flags) */
-#define ISA_INT8_TARGET_END
 #define I8_ROWS 4 /* 4 rows × 2 row vectors of accumulators */
 #define i_from_f _mm256_cvtps_epi32 /* round half to even */
 #define i_mul _mm256_mullo_epi32

@@ -203,8 +203,6 @@ void tables_avx512(const float *x, int k, int group, int table_bits, void *tq_ou
 
 /* The int8 GEMM's dot products (simd_kernels.h): vpdpbusd sums a row's four code × activation products. */
 #define ISA_INT8_DOTS
-#define ISA_INT8_TARGET_BEGIN /* (the build's flags) */
-#define ISA_INT8_TARGET_END
 #define I8_ROWS 8 /* activation rows a pass keeps accumulators for */
 #define i_from_f _mm512_cvtps_epi32 /* round half to even */
 #define i_mul _mm512_mullo_epi32

@@ -499,6 +499,10 @@ void ISA(bf16_gemm)(const uint16_t *w, int n, int k, const float *x, const float
 }
 
 #ifdef ISA_INT8_DOTS
+#ifndef ISA_INT8_TARGET_BEGIN /* (the build's flags suffice) */
+#define ISA_INT8_TARGET_BEGIN
+#define ISA_INT8_TARGET_END
+#endif
 ISA_INT8_TARGET_BEGIN
 /* ---- prefill with int8 activations ----
  *
@@ -509,7 +513,7 @@ ISA_INT8_TARGET_BEGIN
  * (spec.quantize_activations), are dotted with them: y = Σ_g s·xs_g·(Σ q·xq − z·Σ xq).
  *
  * Vocabulary: I8_ROWS (activation rows a pass), i_from_f (float → int32, half to even), i_mul (int32 low product),
- * ISA_INT8_TARGET_BEGIN / _END (what the section's functions need beyond the build's flags, or nothing),
+ * ISA_INT8_TARGET_BEGIN / _END (what the section's functions need beyond the build's flags; nothing if unset),
  * plane_rows(plane, rv) (row vector rv of a plane in row order, byte 4r + p),
  * i8_tile_dots(acc[RV], codes[RV][2][4], a): acc[rv] lane r += Σ_{h,j,p} (byte 4r + p of codes[rv][h][j]) ·
  * a[4(4h + j) + p], and i8_store_tile(to, q[32/W]): a tile's 32 activations (int32, |·| ≤ 127) as int8, input

@@ -1,5 +1,5 @@
-"""What a LUT-GEMV tile costs on CPUs we cannot run here: llvm-mca over the compiled inner loop. An estimate, not
-a measurement (`npumoe bench neon`).
+"""What a LUT-GEMV tile and the int8 GEMM's dot products cost on CPUs we cannot run here: llvm-mca over the
+compiled inner loops. An estimate, not a measurement (`npumoe bench neon`).
 
 ``csrc/mca_tile.c`` is the GEMV's inner loop alone: one tile's tables loaded and its planes looked up and summed
 (``tile_dots``), as ``gemv_rows`` runs it, between llvm-mca's region markers. It is compiled by the compiler the
@@ -7,7 +7,8 @@ ISA's build uses (the AArch64 cross gcc for NEON) and the region's instructions 
 scheduling model, which reports cycles per iteration. Left out: the group epilogue (fp16 scales, a few
 instructions per 32-64 inputs), the table build, threads, and whether memory keeps up; a model is only as good
 as LLVM's description of the core (Apple's cores are described by the old Cyclone model). On this machine the
-same method can be set against a measurement (:func:`host_check`).
+same method can be set against a measurement (:func:`host_check`). ``csrc/mca_i8.c`` is the same for a 3-4-bit
+prompt's int8 GEMM: one tile's unpacked codes dotted with a pass of activation rows (sdot on NEON).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from npumoe.errors import BackendUnavailableError
 from npumoe.luts import build, layout, spec
 
 HARNESS = "mca_tile.c"
+INT8_HARNESS = "mca_i8.c"
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,29 @@ class TileEstimate:
                 "bytes_per_cycle": self.bytes_per_cycle, "gb_s_per_core": self.gb_s}
 
 
+@dataclass(frozen=True)
+class Int8Estimate:
+    isa: str
+    cpu: Cpu
+    rows: int  # activation rows an iteration dots with the tile's codes (the build's I8_ROWS)
+    instructions: int
+    cycles: float  # per iteration
+
+    @property
+    def macs_per_cycle(self) -> float:
+        return self.rows * layout.ROWS * layout.TILE_K / self.cycles
+
+    @property
+    def gmac_s(self) -> float:
+        """Multiply-adds one core would do at the assumed clock."""
+        return self.macs_per_cycle * self.cpu.ghz
+
+    def to_json(self) -> dict:
+        return {"isa": self.isa, "cpu": self.cpu.name, "mcpu": self.cpu.mcpu, "ghz": self.cpu.ghz, "rows": self.rows,
+                "instructions": self.instructions, "cycles_per_tile": self.cycles,
+                "macs_per_cycle": self.macs_per_cycle, "gmac_s_per_core": self.gmac_s}
+
+
 @functools.cache
 def llvm_mca() -> str:
     for name in ("llvm-mca-18", "llvm-mca-17", "llvm-mca-16", "llvm-mca"):  # the newest: its models are the better
@@ -89,28 +114,48 @@ def _compiler(isa: str) -> tuple[str, ...]:
 
 
 @functools.cache
-def tile_region(isa: str, bits: int) -> tuple[str, ...]:
-    """The instructions of one tile's iteration, as the ISA's build compiles them."""
-    flags = (*build.COMMON_FLAGS, "-S", f"-I{build.CSRC}", f'-DNPUMOE_ISA_FILE="{isa}.c"', f"-DBITS={bits}",
+def _region(isa: str, harness: str, *defines: str) -> tuple[str, tuple[str, ...]]:
+    """The harness's region as the ISA's build compiles it: its opening marker line and its instructions."""
+    flags = (*build.COMMON_FLAGS, "-S", f"-I{build.CSRC}", f'-DNPUMOE_ISA_FILE="{isa}.c"', *defines,
              *build.ISAS[isa][1])
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "tile.s"
-        subprocess.run([*_compiler(isa), *flags, str(build.CSRC / HARNESS), "-o", str(out)], check=True,
+        out = Path(tmp) / "region.s"
+        subprocess.run([*_compiler(isa), *flags, str(build.CSRC / harness), "-o", str(out)], check=True,
                        capture_output=True)
         text = out.read_text()
-    region = text[text.index("LLVM-MCA-BEGIN"):text.index("LLVM-MCA-END")].splitlines()[1:]
-    return tuple(line for line in region if line.strip() and not re.match(r"\s*(//|#|\.|\S+:)", line))
+    marker, *region = text[text.index("LLVM-MCA-BEGIN"):text.index("LLVM-MCA-END")].splitlines()
+    return marker, tuple(line for line in region if line.strip() and not re.match(r"\s*(//|#|\.|\S+:)", line))
+
+
+def tile_region(isa: str, bits: int) -> tuple[str, ...]:
+    """The instructions of one LUT-GEMV tile's iteration, as the ISA's build compiles them."""
+    return _region(isa, HARNESS, f"-DBITS={bits}")[1]
+
+
+def int8_region(isa: str) -> tuple[int, tuple[str, ...]]:
+    """The int8 GEMM's iteration (one tile's codes × a pass of activation rows): its row count and instructions."""
+    marker, region = _region(isa, INT8_HARNESS)
+    return int(re.search(r"rows=(\d+)", marker).group(1)), region
+
+
+def _cycles(isa: str, region: tuple[str, ...], cpu: Cpu, iterations: int) -> float:
+    """llvm-mca's steady-state cycles per iteration of the region on the CPU's model."""
+    triple = "aarch64-linux-gnu" if isa == "neon" else "x86_64-linux-gnu"
+    comment = "//" if isa == "neon" else "#"
+    source = "\n".join([f"{comment} LLVM-MCA-BEGIN", *region, f"{comment} LLVM-MCA-END"])
+    run = subprocess.run([llvm_mca(), f"-mtriple={triple}", f"-mcpu={cpu.mcpu}", f"-iterations={iterations}"],
+                         input=source, capture_output=True, text=True, check=True)
+    return int(re.search(r"Total Cycles:\s+(\d+)", run.stdout).group(1)) / iterations
 
 
 def estimate(isa: str, bits: int, cpu: Cpu, iterations: int = 200) -> TileEstimate:
     region = tile_region(isa, bits)
-    triple = "aarch64-linux-gnu" if isa == "neon" else "x86_64-linux-gnu"
-    source = "\n".join(["# LLVM-MCA-BEGIN tile" if isa != "neon" else "// LLVM-MCA-BEGIN tile", *region,
-                        "# LLVM-MCA-END" if isa != "neon" else "// LLVM-MCA-END"])
-    run = subprocess.run([llvm_mca(), f"-mtriple={triple}", f"-mcpu={cpu.mcpu}", f"-iterations={iterations}"],
-                         input=source, capture_output=True, text=True, check=True)
-    cycles = int(re.search(r"Total Cycles:\s+(\d+)", run.stdout).group(1))
-    return TileEstimate(isa, bits, cpu, len(region), cycles / iterations)
+    return TileEstimate(isa, bits, cpu, len(region), _cycles(isa, region, cpu, iterations))
+
+
+def int8_estimate(isa: str, cpu: Cpu, iterations: int = 200) -> Int8Estimate:
+    rows, region = int8_region(isa)
+    return Int8Estimate(isa, cpu, rows, len(region), _cycles(isa, region, cpu, iterations))
 
 
 def measured_core_gb_s(isa: str, bits: int, size: int = 1024, calls: int = 200) -> float:
@@ -128,6 +173,35 @@ def measured_core_gb_s(isa: str, bits: int, size: int = 1024, calls: int = 200) 
         lut.gemv(weight, x, threads=1)
         best = min(best, time.perf_counter() - start)
     return size * size * bits / 8 / best / 1e9
+
+
+def measured_int8_gmac_s(isa: str, size: int = 1024, rows: int = 64, calls: int = 50) -> float | None:
+    """The ISA's int8 GEMM (int4 weights) on one thread, hot in cache, in multiply-adds a second; None where the
+    build has none. It includes what the estimate leaves out: unpacking, quantising the rows, the epilogue."""
+    from npumoe.luts.kernels import kernels
+
+    rng = np.random.default_rng(0)
+    weight = layout.to_tiles(spec.quantize_pack(rng.standard_normal((size, size), dtype=np.float32), 4, 64))
+    x = rng.standard_normal((rows, size), dtype=np.float32)
+    lut = kernels(isa)
+    if lut.gemm_int8(weight, x, threads=1) is None:
+        return None
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        lut.gemm_int8(weight, x, threads=1)
+        best = min(best, time.perf_counter() - start)
+    return rows * size * size / best / 1e9
+
+
+def host_check_int8(isa: str) -> dict | None:
+    """:func:`host_check` for the int8 GEMM: the clock at which the estimate would give the measured rate."""
+    measured = measured_int8_gmac_s(isa)
+    if measured is None:
+        return None
+    est = int8_estimate(isa, Cpu("this machine", "native", 1.0))
+    return {"isa": isa, "cycles_per_tile": est.cycles, "macs_per_cycle": est.macs_per_cycle,
+            "measured_gmac_s": measured, "implied_ghz": measured / est.macs_per_cycle}
 
 
 def host_check(isa: str, bits: int) -> dict:

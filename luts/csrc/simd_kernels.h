@@ -516,7 +516,8 @@ ISA_INT8_TARGET_BEGIN
  * ISA_INT8_TARGET_BEGIN / _END (what the section's functions need beyond the build's flags; nothing if unset),
  * plane_rows(plane, rv) (row vector rv of a plane in row order, byte 4r + p),
  * i8_tile_dots(acc[RV], codes[RV][2][4], a): acc[rv] lane r += Σ_{h,j,p} (byte 4r + p of codes[rv][h][j]) ·
- * a[4(4h + j) + p], and i8_store_tile(to, q[32/W]): a tile's 32 activations (int32, |·| ≤ 127) as int8, input
+ * a[4(4h + j) + p] (or, with ISA_OWN_I8_ROWS, i8_tile_rows(acc[rows][RV], codes, a, k, rows) the same for the rows
+ * at a + r·k at once), and i8_store_tile(to, q[32/W]): a tile's 32 activations (int32, |·| ≤ 127) as int8, input
  * 16h + 4p + j to byte 4(4h + j) + p. */
 
 /* q[rv][h][j], lane r: the codes of row rv·W + r's inputs 16h + 4p + j in byte p (p = 0..3). */
@@ -533,15 +534,24 @@ static inline __attribute__((always_inline)) void tile_codes(const uint8_t *tile
     }
 }
 
+/* `rows` activation rows at a + r·k against one tile's codes: the ISA's own pass over all the rows where it has one
+ * (ISA_OWN_I8_ROWS), else row by row. */
+static inline __attribute__((always_inline)) void i8_rows_dots(vi acc[][RV], const vi codes[][2][4], const int8_t *a,
+                                                               int k, const int rows) {
+#ifdef ISA_OWN_I8_ROWS
+    i8_tile_rows(acc, codes, a, k, rows);
+#else
+    for (int r = 0; r < rows; r++) i8_tile_dots(acc[r], codes, a + (size_t)r * k);
+#endif
+}
+
 /* `rows` activation rows (xq per row: k int8 in tile order, see int8_rows) against one group's unpacked tiles. */
 static inline __attribute__((always_inline)) void gemm_i8_group(const vi (*codes)[RV][2][4], const int tiles,
                                                                 const int8_t *xq, int k, int kt0, vi acc[][RV],
                                                                 const int rows) {
     for (int r = 0; r < rows; r++)
         for (int rv = 0; rv < RV; rv++) acc[r][rv] = i_zero();
-    for (int t = 0; t < tiles; t++)
-        for (int r = 0; r < rows; r++)
-            i8_tile_dots(acc[r], codes[t], xq + (size_t)r * k + (size_t)(kt0 + t) * LUT_TILE_K);
+    for (int t = 0; t < tiles; t++) i8_rows_dots(acc, codes[t], xq + (size_t)(kt0 + t) * LUT_TILE_K, k, rows);
 }
 
 /* Row block rb against m activation rows into out [m][16]: each group's tiles unpacked once, then dotted with

@@ -285,7 +285,7 @@ typedef struct {
 
 static void bf16_xtb_span(void *ctx, int t, int blk0, int blk1) {
     const bf16_gemm_job *job = (const bf16_gemm_job *)ctx + t;
-    ISA.bf16_xtb(job->x, job->m, job->k, blk0, blk1, job->xtb);
+    ISA.bf16_xtb(job->x, BF16_BLOCK_ROWS(job->m), job->k, blk0, blk1, job->xtb);
 }
 
 static void bf16_gemm_span(void *ctx, int t, int b0, int b1) {
@@ -300,7 +300,8 @@ static int same_x(const npumoe_bf16_task *tasks, int t) {
     return -1;
 }
 
-static size_t xtb_floats(const npumoe_bf16_task *task) { return (size_t)(task->m + 15) / 16 * 16 * task->k; }
+static int xtb_blocks(const npumoe_bf16_task *task) { return (BF16_BLOCK_ROWS(task->m) + 15) / 16; }
+static size_t xtb_floats(const npumoe_bf16_task *task) { return (size_t)xtb_blocks(task) * 16 * task->k; }
 
 /* The tasks in two parallel jobs: every distinct x transposed (an expert's gate and up share theirs) into floats
  * of scratch, then every matrix's weight blocks, so that a prompt's experts, a few rows each, fill the threads
@@ -321,7 +322,7 @@ static int bf16_gemm_together(const npumoe_bf16_task *tasks, int count, size_t f
         const int same = same_x(tasks, t);
         jobs[t] = (bf16_gemm_job){task->w, task->x, same < 0 ? at : jobs[same].xtb, task->n, task->k, task->m, task->y};
         if (same < 0) at += xtb_floats(task), x_bytes += xtb_floats(task) * sizeof(float);
-        first_x[t + 1] = first_x[t] + (same < 0 ? (task->m + 15) / 16 : 0);
+        first_x[t + 1] = first_x[t] + (same < 0 ? xtb_blocks(task) : 0);
         first_w[t + 1] = first_w[t] + (task->n + BF16_GEMM_ROWS - 1) / BF16_GEMM_ROWS;
         weight_bytes += (size_t)task->n * task->k * sizeof(uint16_t);
     }

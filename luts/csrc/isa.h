@@ -30,6 +30,10 @@
 /* bf16_gemm: y [m][n] = x · Wᵀ for weight blocks b0..b1-1 of 6 rows (W [n][k] bf16, k a multiple of 16), from xtb
  * (x transposed in blocks of 16 rows: [m_pad/16][k][16]), which bf16_xtb writes a range of blocks of. */
 #define BF16_GEMM_ROWS 6
+/* The activation rows that go through xtb's blocks: all but the 1-BF16_DOT_TAIL past the last whole 8, which take
+ * dot products (simd_kernels.h, bf16_dot_chunk), so are neither transposed nor padded to a block. */
+#define BF16_DOT_TAIL 4
+#define BF16_BLOCK_ROWS(m) ((m) - ((m) % 8 <= BF16_DOT_TAIL ? (m) % 8 : 0))
 
 /* 3-4-bit weights × int8 activations, where the ISA has byte dot products (simd_kernels.h): int8_rows quantises
  * x [m][k] per group (spec's quantize_activations) into xq in the order gemm_i8 reads it (per 32-input tile, input

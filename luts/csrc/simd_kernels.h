@@ -428,12 +428,11 @@ void ISA(bf16_xtb)(const float *x, int m, int k, int blk0, int blk1, float *xtb)
 }
 
 /* tail[t][j] (+)= W lanes of partial dot products of activation row t of x (row-major: the last `rows` ≤
- * BF16_DOT_TAIL of the call) with widened weight row j over one chunk. The few rows past the last whole block of 8
- * (16 on AVX-512) take dot products on the chunk already widened instead of filling a block with padding rows,
+ * BF16_DOT_TAIL of the call) with widened weight row j over one chunk. The few rows past the last whole 8
+ * (BF16_BLOCK_ROWS) take dot products on the chunk already widened instead of filling a block with padding rows,
  * which a prompt's experts, each with its own row count, paid for 4-9 % of their rows (AVX2, 2 threads, 48 cold
  * 768x2048 matrices, interleaved, GMAC/s: 17 rows 74 → 95, 20 87 → 97, 25 88 → 101, 36 102 → 113; 16 and 64
  * unchanged; a 256-token prefill's expert GEMMs 169 → 155 ms). */
-#define BF16_DOT_TAIL 4
 static inline __attribute__((always_inline)) void bf16_dot_chunk(const float *x, int k, int rows, int k0, int kc,
                                                                 const float (*wide)[BF16_KC], const int JR,
                                                                 vf (*tail)[2 * BF16_GEMM_ROWS], const int first) {
@@ -454,7 +453,7 @@ void ISA(bf16_gemm)(const uint16_t *w, int n, int k, const float *x, const float
     float wide[2 * R][BF16_KC] __attribute__((aligned(64)));
     float acc[BF16_M_TILE / 16][2 * R][16] __attribute__((aligned(64)));
     vf tail[BF16_DOT_TAIL][2 * R];
-    const int whole = m - (m % 8 <= BF16_DOT_TAIL ? m % 8 : 0); /* rows the blocks take; the rest, dot products */
+    const int whole = BF16_BLOCK_ROWS(m); /* rows the blocks take; the rest, dot products */
     for (int mt = 0; mt < m; mt += BF16_M_TILE) {
         const int m_end = m < mt + BF16_M_TILE ? m : mt + BF16_M_TILE, block_end = whole < m_end ? whole : m_end;
         const int tail_rows = m_end == m ? m - whole : 0;

@@ -166,13 +166,18 @@ def measured_core_gb_s(isa: str, bits: int, size: int = 1024, calls: int = 200) 
     weight = layout.to_tiles(spec.quantize_pack(rng.standard_normal((size, size), dtype=np.float32), bits, 64))
     x = rng.standard_normal(size, dtype=np.float32)
     lut = kernels(isa)
-    lut.gemv(weight, x, threads=1)
+    return size * size * bits / 8 / _best_seconds(lambda: lut.gemv(weight, x, threads=1), calls) / 1e9
+
+
+def _best_seconds(run, calls: int) -> float:
+    """The fastest of ``calls`` timed runs after an untimed one: the loop's speed when nothing gets in its way."""
+    run()
     best = float("inf")
     for _ in range(calls):
         start = time.perf_counter()
-        lut.gemv(weight, x, threads=1)
+        run()
         best = min(best, time.perf_counter() - start)
-    return size * size * bits / 8 / best / 1e9
+    return best
 
 
 def measured_int8_gmac_s(isa: str, size: int = 1024, rows: int = 64, calls: int = 50) -> float | None:
@@ -186,12 +191,7 @@ def measured_int8_gmac_s(isa: str, size: int = 1024, rows: int = 64, calls: int 
     lut = kernels(isa)
     if lut.gemm_int8(weight, x, threads=1) is None:
         return None
-    best = float("inf")
-    for _ in range(calls):
-        start = time.perf_counter()
-        lut.gemm_int8(weight, x, threads=1)
-        best = min(best, time.perf_counter() - start)
-    return rows * size * size / best / 1e9
+    return rows * size * size / _best_seconds(lambda: lut.gemm_int8(weight, x, threads=1), calls) / 1e9
 
 
 def host_check_int8(isa: str) -> dict | None:

@@ -3,6 +3,7 @@
  * groups of 64 inputs (2 tiles, as `bench lut` runs). */
 #include NPUMOE_ISA_FILE
 
+ISA_GEMV_BEGIN
 void mca_tiles(const uint8_t *tile, const void *tq, int tiles, int32_t *out) {
     vi a[RV][ACC];
     for (int rv = 0; rv < RV; rv++)
@@ -16,3 +17,4 @@ void mca_tiles(const uint8_t *tile, const void *tq, int tiles, int32_t *out) {
     for (int rv = 0; rv < RV; rv++)
         for (int j = 0; j < ACC; j++) memcpy(out + (rv * ACC + j) * W, &a[rv][j], sizeof a[rv][j]);
 }
+ISA_GEMV_END

@@ -23,6 +23,7 @@
  *     group's), and with ISA_OWN_GROUP_TOTAL, group_totals(totals, a, bias, bits, tiles) the group's int32 lanes of
  *     all RV row vectors from accumulators it keeps its own way
  *   GEMM_ROW_BLOCKS, GEMM_MR      microkernel shape: MR activations × 16·GEMM_ROW_BLOCKS rows
+ *   ISA_GEMV_BEGIN / _END         optional: compiler options for the LUT-GEMV's section alone
  */
 #include <stdlib.h>
 #include <string.h>
@@ -123,6 +124,11 @@ static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const u
 }
 #endif
 
+#ifndef ISA_GEMV_BEGIN /* what the LUT-GEMV's functions need beyond the build's flags (nothing if unset) */
+#define ISA_GEMV_BEGIN
+#define ISA_GEMV_END
+#endif
+ISA_GEMV_BEGIN
 /* Everything the loops need is copied into locals first: through the pointers the compiler
  * cannot rule out that a store to y or acc changes w->k, and would redo k / group per group. */
 static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w, const lut_tables *t, int rb0, int rb1,
@@ -277,6 +283,7 @@ void ISA(gemv_multi)(const lut_weight *w, const lut_tables *const *t, int rb0, i
     FOR_BITS(GEMV_MULTI)
 #undef GEMV_MULTI
 }
+ISA_GEMV_END
 
 /* Level 1 of the dequantisation (byte j of the spec's repack word, a plane at a time), from one vector of each of
  * a tile's planes split into nibbles (nib[h][i]: nibble h of plane i): byte b of q[h] is the code of the input

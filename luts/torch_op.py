@@ -147,9 +147,10 @@ def uses_int8(rows: int, bits: int) -> bool:
     8, 0.62-0.75 at 16-256.
     Against the dequantising GEMM it takes 0.22-0.56 of the time on AVX-512 (8-1024 rows) and 0.42-0.64 on AVX2.
     Its error is the LUT-GEMV's kind and size (spec.int8_gemv; NMSE against fp32 3.5e-5 where the LUT-GEMV's is
-    5.7e-5 on Gaussian weights and activations). NEON keeps the x86 rows: not measured, and by llvm-mca's estimate
-    its inner loop (four rows against a tile, sdot) does 32 / 41 / 88 / 59 multiply-adds a cycle on Cortex-A76 /
-    A55 / Neoverse V1 / Apple M1, 3.7-10x what their fp32 fmla issue allows (8 / 4 / 16 / 16)."""
+    5.7e-5 on Gaussian weights and activations). NEON keeps the x86 rows: not measured; `npumoe bench neon`
+    estimates its inner loop (four rows against a tile's codes, sdot, code loads included) at 28 / 46 / 6
+    multiply-adds a cycle on Cortex-X1 and A710 / Apple M1 / A55 (an earlier estimate that left out the code loads
+    said 41-88)."""
     return rows >= INT8_FROM and 3 <= bits <= 4
 
 

@@ -271,7 +271,8 @@ class MoELayer:
             experts, counts = torch.unique_consecutive(d.expert[pairs], return_counts=True)
             experts, counts = experts.tolist(), counts.tolist()
             executors = [self.expert_executors[e] for e in experts]
-            tokens, x = d.token[pairs], z[d.token[pairs]]
+            tokens = d.token[pairs]
+            x = z[tokens]
             prompt = _shared(executors, "prompt_many")
             with m.running([self._cpu_names[e] for e in experts]):
                 y = prompt(executors, x, counts) if prompt is not None else None

@@ -97,6 +97,21 @@ def test_accumulators_at_their_int16_bound_are_exact(lut, bits):
         assert np.array_equal(acc[0], spec.lut_accumulate(packed.planes, tq, group))
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
+def test_totals_at_their_int16_bound_match_the_spec(lut, bits):
+    """Every code 0 but one a group, the zero point 2^bits − 1 and every lookup +127 (x = −1): the row sums and the
+    zero term z·(−2·Xq) both reach their largest magnitude with one sign, the bound AVX2 sizes its int16 group totals
+    by (avx2.c's ZEROS_IN_INT16), in groups of 1, 2 and 4 tiles; the outputs still equal the spec's."""
+    x = -np.ones(256, np.float32)
+    weights = -np.ones((16, 256), np.float32)
+    weights[:, ::64] = 0  # code 2^bits - 1 once a group of 64 (the zero point), every other code 0
+    for group in (32, 64, 128):
+        packed = spec.quantize_pack(weights, bits, group, False)
+        assert (packed.zeros == 2**bits - 1).all()
+        ref = spec.lut_gemv(packed, x, 8)
+        assert np.allclose(lut.gemv(layout.to_tiles(packed), x, 8), ref, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("count", [2, 7])
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_several_rows_in_one_call_equal_each_row_alone(lut, case, count):

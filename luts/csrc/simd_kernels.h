@@ -20,8 +20,8 @@
  *     adding 2^i · (row's four looked-up bytes, low and high nibbles) into int32 lanes, spread
  *     over ACC accumulators per row vector (summed at the end of each group); or, with
  *     ISA_OWN_TILE_DOTS, tile_dots(a, tile, &tables, bits, tiles) for all planes of a tile at once (tiles: the
- *     group's), and with ISA_OWN_GROUP_TOTAL, group_totals(totals, a, bias, bits, tiles) the group's int32 lanes of
- *     all RV row vectors from accumulators it keeps its own way
+ *     group's), and with ISA_OWN_GROUP_TOTAL, group_totals(totals, a, bias, zeros, zero_coef, bits, tiles) the
+ *     group's int32 totals of all RV row vectors from accumulators it keeps its own way
  *   GEMM_ROW_BLOCKS, GEMM_MR      microkernel shape: MR activations × 16·GEMM_ROW_BLOCKS rows
  *   ISA_GEMV_BEGIN / _END         optional: compiler options for the LUT-GEMV's section alone
  */
@@ -92,21 +92,22 @@ void ISA(tables)(const float *x, int k, int group, int table_bits, void *tq_out,
 }
 #endif
 
-/* One group's share for W rows, s · ts/2 · (A + (2^b − 1 − 2z)·Xq), added to out. `biased` is A plus
- * the group's bias (lut_tables); the total is an integer below 2^24, so its float is exact. */
-static inline __attribute__((always_inline)) vf epilogue(const uint16_t *scales, const uint8_t *zeros,
-                                                         int32_t zero_coef, vf half_ts, vi biased, vf out) {
-    const vi total = zeros ? i_add_u8_times(biased, zeros, zero_coef) : biased;
+/* One group's share for W rows, s · ts/2 · total, added to out; the total, A + (2^b − 1 − 2z)·Xq (group_totals), is
+ * an integer below 2^24, so its float is exact. */
+static inline __attribute__((always_inline)) vf epilogue(const uint16_t *scales, vf half_ts, vi total, vf out) {
     return f_fmadd(f_mul(f_half(scales), half_ts), f_from_i(total), out);
 }
 
 #ifndef ISA_OWN_GROUP_TOTAL
-/* A group's int32 row sums plus its bias, per row vector, from the accumulators (zero at the group's start). */
-static inline void group_totals(vi totals[RV], const vi a[RV][ACC], int32_t bias, const int bits, const int tiles) {
+/* A group's totals per row vector: its int32 row sums A (the accumulators, zero at the group's start) plus the bias
+ * and zero terms of lut_tables, bias + z·zero_coef (zeros NULL: symmetric weights, whose bias covers z). */
+static inline void group_totals(vi totals[RV], const vi a[RV][ACC], int32_t bias, const uint8_t *zeros,
+                                int32_t zero_coef, const int bits, const int tiles) {
     (void)bits, (void)tiles;
     for (int rv = 0; rv < RV; rv++) {
         totals[rv] = i_set1(bias);
         for (int j = 0; j < ACC; j++) totals[rv] = i_add(totals[rv], a[rv][j]);
+        if (zeros) totals[rv] = i_add_u8_times(totals[rv], zeros + rv * W, zero_coef);
     }
 }
 #endif
@@ -157,18 +158,16 @@ static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w,
             if (zeros) __builtin_prefetch(zeros + LUT_PREFETCH_PARAMS, 0, 2);
             const vf group_half_ts = f_set1(half_ts[g]);
             vi totals[RV];
-            group_totals(totals, a, bias[g], bits, tiles_per_group);
-            for (int rv = 0; rv < RV; rv++) {
-                const vi biased = totals[rv];
-                if (acc) {
+            if (acc) {
+                group_totals(totals, a, 0, NULL, 0, bits, tiles_per_group);
+                for (int rv = 0; rv < RV; rv++) {
                     int32_t lanes[W];
-                    const vi sum = i_sub(biased, i_set1(bias[g]));
-                    memcpy(lanes, &sum, sizeof lanes);
+                    memcpy(lanes, &totals[rv], sizeof lanes);
                     for (int r = 0; r < W; r++) acc[((size_t)rb * LUT_ROWS + rv * W + r) * groups + g] = lanes[r];
                 }
-                out[rv] = epilogue(scales + rv * W, zeros ? zeros + rv * W : NULL, zero_coef[g], group_half_ts, biased,
-                                   out[rv]);
             }
+            group_totals(totals, a, bias[g], zeros, zero_coef[g], bits, tiles_per_group);
+            for (int rv = 0; rv < RV; rv++) out[rv] = epilogue(scales + rv * W, group_half_ts, totals[rv], out[rv]);
         }
         for (int rv = 0; rv < RV; rv++) f_store(y + (size_t)rb * LUT_ROWS + rv * W, out[rv]);
     }
@@ -196,7 +195,13 @@ static inline __attribute__((always_inline)) void gemv_bits(const lut_weight *w,
 }
 
 void ISA(gemv)(const lut_weight *w, const lut_tables *t, int rb0, int rb1, float *y, int32_t *acc) {
-#define GEMV(b) gemv_bits(w, t, rb0, rb1, y, acc, b)
+/* acc NULL (every call but the accumulators' tests) a constant: the group loop without its stores keeps its pointers
+ * in registers (hot, one thread: int2 +5 %, int4 +2 %). */
+#define GEMV(b)                                           \
+    if (acc)                                              \
+        gemv_bits(w, t, rb0, rb1, y, acc, b);             \
+    else                                                  \
+        gemv_bits(w, t, rb0, rb1, y, NULL, b);
     FOR_BITS(GEMV)
 #undef GEMV
 }
@@ -239,11 +244,9 @@ static inline __attribute__((always_inline)) void gemv_rows_multi(const lut_weig
             for (int r = 0; r < mr; r++) {
                 const vf group_half_ts = f_set1(t[r]->half_ts[g]);
                 vi totals[RV];
-                group_totals(totals, a[r], t[r]->bias[g], bits, tiles_per_group);
-                for (int rv = 0; rv < RV; rv++) {
-                    out[r][rv] = epilogue(scales + rv * W, zeros ? zeros + rv * W : NULL, t[r]->zero_coef[g],
-                                          group_half_ts, totals[rv], out[r][rv]);
-                }
+                group_totals(totals, a[r], t[r]->bias[g], zeros, t[r]->zero_coef[g], bits, tiles_per_group);
+                for (int rv = 0; rv < RV; rv++)
+                    out[r][rv] = epilogue(scales + rv * W, group_half_ts, totals[rv], out[r][rv]);
             }
         }
         for (int r = 0; r < mr; r++)

@@ -37,6 +37,9 @@ LLAMA_FTYPES = {"Q4_0": 2, "Q2_K": 10}  # llama_ftype values (llama.h)
 GOALS = {"bf16": 0.9, "int4": 1.0, "int2": 1.0}  # npumoe decode tok/s ÷ llama.cpp's, issue 18
 PREFILL_GOAL = 0.8  # npumoe prefill tok/s ÷ llama.cpp's, every format
 THREADS = 2
+# Untimed rounds first: after one, the next round's first prefill still ran 15-20 % slow here (npumoe bf16 602 tok/s,
+# then 712-760; llama.cpp F16 852, then 888-898): a fresh process's memory settles over the first few seconds.
+WARMUP_ROUNDS = 2
 LLAMA_MISSING = "llama.cpp rows need llama-cpp-python and gguf: pip install 'npumoe[bench]'"
 
 
@@ -200,13 +203,13 @@ def run(console: Console, rounds: int, prefill_tokens: int,
         read_bandwidth = mapped_reader(CHECKPOINT)
     times: dict[tuple[str, str], tuple[list[float], list[float]]] = {key: ([], []) for key in runners}
     bandwidth = 0.0
-    for r in range(rounds + 1):  # round 0 warms caches and thread pools up, untimed
+    for r in range(1 - WARMUP_ROUNDS, rounds + 1):  # rounds up to 0 warm up, untimed
         for key, runner in runners.items():  # npumoe and llama.cpp alternate, format by format
-            with console.status(f"round {r}/{rounds}: {key[0]} {key[1]}" if r else f"warming up {key[0]} {key[1]}"):
+            with console.status(f"round {r}/{rounds}: {key[0]} {key[1]}" if r > 0 else f"warming up {key[0]} {key[1]}"):
                 prefill = timed(lambda: runner.prefill(prompt))
                 token = runner.prefill(short)
                 decode = timed(lambda: runner.decode(token, decode_tokens))
-            if r:
+            if r > 0:
                 times[key][0].append(decode_tokens / decode)
                 times[key][1].append(prefill_tokens / prefill)
         bandwidth = max(bandwidth, read_bandwidth() / 1e9)

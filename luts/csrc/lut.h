@@ -16,17 +16,19 @@
 #define LUT_TILE_BYTES 64
 #define LUT_TILE_BYTE(r, p) (16 * (p) + (r)) /* row r's byte position p in a plane: runs 8t+p | 8t+4+p (layout.py) */
 #define LUT_MAX_THREADS 64
-/* The GEMV requests every weight cache line twice: into L2 32 KB ahead (hardware prefetchers stop at
+/* The GEMV requests every weight cache line twice: into L2 12 KB ahead (hardware prefetchers stop at
  * 4 KB pages, and a compute-heavy loop keeps too few misses in flight on its own), then into L1
  * 6 KB ahead (an L2 hit still stalls the loop). Only the second goes to L1: each byte is used
  * once, and lines brought in far ahead would evict the tables and tiles in use. On Zen 4 (4096²
  * GEMV, one thread, as a share of the fastest plain read of the same bytes): L2 16 KB + L1 2 KB
  * 0.80 (int4) / 0.85 (int2); L2 32 KB, again 16 KB, and L1 6 KB 0.92-0.96 / 0.84-0.94. That middle
  * request (for prefetches the memory system drops when its queues are full) then cost more
- * instructions than it brought (cold 4096², interleaved, one thread, int2 / int4: AVX2 34.4-35.5 →
- * 37.2-38.6 / 35.6-37.5 → 37.0-38.6 GB/s, AVX-512 37.7-38.2 → 39.2-40.0 / 32.7-33.9 → 33.6-34.9;
- * two threads +1-6 % / ±1 %). */
-#define LUT_PREFETCH_FAR 32768
+ * instructions than it brought. On a Zen 5 VM 32 KB ahead was too far (at ~40 GB/s a core, 12 KB
+ * is ~300 ns, twice DRAM's latency; lines further ahead only hold the miss queues): cold 4096²,
+ * interleaved, one thread, 32 → 12 KB, AVX-512 int4 +7-10 %, int2 +2-6 %, AVX2 +0-4 %; two threads
+ * -2 to +10 %; `bench lut` one thread AVX-512 int4 0.85-0.90 → 0.94-0.98 of the read. 16 KB was
+ * between the two, 8 KB below 12 on int2. */
+#define LUT_PREFETCH_FAR 12288
 #define LUT_PREFETCH_L1 6144
 /* Scales and zeros (elements ahead; a row block's group is 16 of each): 2 KB and 1 KB, as far ahead
  * in time as the weights' 16 KB at 2 bits. At 256 (a quarter of that) int2 lost 2-3 % of bandwidth. */
@@ -116,7 +118,7 @@ NPUMOE_API int npumoe_bf16_gemm_many(const npumoe_bf16_task *tasks, int count, i
 typedef void (*lut_range_fn)(void *ctx, int begin, int end);
 void lut_parallel(lut_range_fn fn, void *ctx, int units, int threads, int min_chunk);
 /* Bytes a chunk of a streaming job (GEMV, bandwidth probe) covers at least: each chunk restarts the
- * read stream, whose first 32 KB come without the far prefetch. A 4096² int2 GEMV on two threads
+ * read stream, whose first 12 KB come without the far prefetch. A 4096² int2 GEMV on two threads
  * in 16 chunks of 300 KB reached 0.90-0.91 of the plain read, in 4 chunks 0.95 (and 0.81 → 0.91-0.93
  * when the VM's bandwidth jumped to 51 GB/s). */
 #define LUT_STREAM_CHUNK (1 << 20)

@@ -31,7 +31,8 @@
 #define LUT_PREFETCH_FAR 12288
 #define LUT_PREFETCH_L1 6144
 /* Scales and zeros (elements ahead; a row block's group is 16 of each): 2 KB and 1 KB, as far ahead
- * in time as the weights' 16 KB at 2 bits. At 256 (a quarter of that) int2 lost 2-3 % of bandwidth. */
+ * in time as 16 KB of weights at 2 bits. At 256 (a quarter of that) int2 lost 2-3 % of bandwidth;
+ * with the weights 12 KB ahead, 512, 768 and 2048 measured the same as 1024 (one thread, both ISAs). */
 #define LUT_PREFETCH_PARAMS 1024
 #define lut_prefetch_line(p)                                           \
     (__builtin_prefetch((const char *)(p) + LUT_PREFETCH_FAR, 0, 2), \

@@ -61,8 +61,8 @@ class _Builder:
     def node(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
         self._count += 1
         out = out or f"{self.prefix}/{op_type}_{self._count}"
-        self.nodes.append(self.helper.make_node(op_type, list(inputs), [out], name=f"{self.prefix}/{op_type}_{self._count}",
-                                                **attrs))
+        self.nodes.append(self.helper.make_node(op_type, list(inputs), [out],
+                                                name=f"{self.prefix}/{op_type}_{self._count}", **attrs))
         return out
 
     def value(self, ref: str) -> str:
@@ -111,7 +111,8 @@ def _rope(b, op, out):
         second = b.node("Add", b.node("Mul", odd, c), b.node("Mul", even, s))
         pairs = b.node("Concat", b.node("Unsqueeze", first, b.const([-1], np.int64)),
                        b.node("Unsqueeze", second, b.const([-1], np.int64)), axis=-1)
-        rotated = b.node("Reshape", pairs, b.const([seq, heads, rot_dim], np.int64), out=out if rot_dim == dim else None)
+        rotated = b.node("Reshape", pairs, b.const([seq, heads, rot_dim], np.int64),
+                         out=out if rot_dim == dim else None)
     else:
         half = rot_dim // 2
         x1, x2 = _slice(b, rot, 2, 0, half), _slice(b, rot, 2, half, rot_dim)

@@ -49,7 +49,8 @@ def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512,
 
     out_dir = claim(out_dir, ARTIFACTS)
     if plan.target != target:
-        raise InputError(f"the plan was made for target {plan.target!r}, not {target!r}; re-plan with --target {target}.")
+        raise InputError(f"the plan was made for target {plan.target!r}, not {target!r}; "
+                         f"re-plan with --target {target}.")
     plan.check_model(model)
     program = build_program(model.spec, chunk=plan.chunk, max_context=max_context, plan=plan)
     npu_graphs = [g for g in program.graphs.values() if g.placement == "npu"]

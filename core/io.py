@@ -51,7 +51,8 @@ def read_json_artifact(path: str | Path, kind: str, made_by: str) -> dict:
     except OSError as err:
         raise InputError(f"{path} cannot be read ({err.strerror}); expected {made_by}.") from err
     if not isinstance(data, dict) or data.get("kind") != kind:
-        raise ArtifactError(f"{path} is not {made_by} (its kind is {data.get('kind') if isinstance(data, dict) else None!r}).")
+        raise ArtifactError(f"{path} is not {made_by} "
+                            f"(its kind is {data.get('kind') if isinstance(data, dict) else None!r}).")
     return data
 
 

@@ -473,7 +473,8 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
                                     useful, per_expert * len(experts), 0 if decode == len(experts) else decode))
         predicted = predict(loads, groups, lam) | decode_figures(hit, profile.top_k[i], groups, per_expert)
         layers[i] = LayerPlan(groups, predicted, lam)
-    totals = {k: float(np.mean([lp.predicted[k] for lp in layers.values()])) for k in next(iter(layers.values())).predicted}
+    totals = {k: float(np.mean([lp.predicted[k] for lp in layers.values()]))
+              for k in next(iter(layers.values())).predicted}
     return Plan(
         model=spec.fingerprint(),
         model_name=model.name,

@@ -103,7 +103,8 @@ def target_costs_figure(rows: dict[str, dict]):
     fig, ax = plt.subplots(figsize=(6, 3))
     width = 0.8 / len(kinds)
     for k, kind in enumerate(kinds):
-        ax.bar(np.arange(len(names)) + k * width, [rows[n][kind] for n in names], width, label=kind.removesuffix("_pct"))
+        ax.bar(np.arange(len(names)) + k * width, [rows[n][kind] for n in names], width,
+               label=kind.removesuffix("_pct"))
     ax.set_xticks(np.arange(len(names)) + width, names)
     ax.set_ylabel("%")
     ax.set_title("static shapes on held-out text: padded (of NPU slots), spilled and dropped (of routed)")

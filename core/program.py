@@ -15,7 +15,8 @@ from npumoe.core.spec import MLPSpec, ModelSpec, MoESpec
 from npumoe.core.weights import available_memory
 from npumoe.errors import InputError
 
-HOST_OPS = ("embed", "rope_tables", "attention_mask", "kv_append", "router", "dispatch", "combine", "residual", "sample")
+HOST_OPS = ("embed", "rope_tables", "attention_mask", "kv_append", "router", "dispatch", "combine", "residual",
+            "sample")
 
 
 @dataclass(frozen=True)

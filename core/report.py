@@ -59,7 +59,8 @@ def write_html(result: dict, out_dir, path) -> Path:
                      f"<td>{c['published_tok_s']:.1f}</td><td>{c['estimate_tok_s']:.1f}</td><td>{c['ratio']:.2f}</td>"
                      f"<td>{html.escape(c['source'])}</td></tr>" for c in result["cost_model_check"])
     sources = "".join(f"<tr><td>{html.escape(d['name'])}</td><td>{d['npu_tops']:g}</td><td>{d['dram_gb_s']:g}</td>"
-                      f"<td>{d['launch_us']:g}</td><td>{'<br>'.join(html.escape(f'{k}: {v}') for k, v in d['sources'].items())}"
+                      f"<td>{d['launch_us']:g}</td><td>"
+                      f"{'<br>'.join(html.escape(f'{k}: {v}') for k, v in d['sources'].items())}"
                       "</td></tr>" for d in result["devices"])
     page = f"""<!doctype html><html><head><meta charset="utf-8">{MARK}
 <title>npumoe compare: {html.escape(result['model'])}</title>

@@ -77,7 +77,8 @@ def read(path: Path, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, spec
                           "re-quantise the original model with this version of npumoe quantize.")
     file = path / WEIGHTS_FILE
     if not file.is_file():
-        raise WeightError(f"{path} is an npumoe-quantised checkpoint without its {WEIGHTS_FILE}; re-run npumoe quantize.")
+        raise WeightError(f"{path} is an npumoe-quantised checkpoint without its {WEIGHTS_FILE}; "
+                          "re-run npumoe quantize.")
     mapped = SafetensorsFile(file)
     stored = {key: mapped.tensor(key) for key in mapped.entries}
     try:

@@ -46,7 +46,8 @@ def options(cfg: dict, path: Path) -> tuple[int, int, str]:
     return bits, group, version
 
 
-def read(path: Path, cfg: dict, adapter, model_spec: ModelSpec) -> tuple[dict[str, torch.Tensor], dict[str, spec.Packed]]:
+def read(path: Path, cfg: dict, adapter,
+         model_spec: ModelSpec) -> tuple[dict[str, torch.Tensor], dict[str, spec.Packed]]:
     """(plain tensors, packed routed experts) of a GPTQ checkpoint, under canonical names."""
     from npumoe.models.loader import stored_tensors
 

@@ -22,7 +22,8 @@ LAYER_NAMES = {"attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_n
                "attn.q.weight": "attn_q.weight", "attn.k.weight": "attn_k.weight", "attn.v.weight": "attn_v.weight",
                "attn.o.weight": "attn_output.weight", "attn.q_norm.weight": "attn_q_norm.weight",
                "attn.k_norm.weight": "attn_k_norm.weight", "moe.router.weight": "ffn_gate_inp.weight"}
-TOP_NAMES = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+TOP_NAMES = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
 SPECIAL = ("<unk>", "<s>", "</s>")
 
 

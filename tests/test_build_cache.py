@@ -102,7 +102,8 @@ def test_layers_builds_a_subset_that_says_it_cannot_run(model, cpu_plan, lowered
     from npumoe.errors import ArtifactError, InputError
 
     manifest = build(model, cpu_plan, "cpu", tmp_path / "one", progress=False, layers={1})
-    assert manifest["layers"] == [1] and manifest["graphs"] and all(g["layer"] == 1 for g in manifest["graphs"].values())
+    assert (manifest["layers"] == [1] and manifest["graphs"]
+            and all(g["layer"] == 1 for g in manifest["graphs"].values()))
     program = build_program(model.spec, chunk=cpu_plan.chunk, max_context=512, plan=cpu_plan)
     npu = [g for g in program.graphs.values() if g.placement == "npu"]
     with pytest.raises(ArtifactError, match=r"holds only layers \[1\] \(built with --layers\)"):
@@ -123,7 +124,8 @@ def test_jobs_lower_in_worker_processes_to_the_same_artifacts(model, cpu_plan, l
     assert lowered == []  # every graph was lowered in a forked worker, none in this process
     assert not any(g["cached"] for g in parallel["graphs"].values())
     assert parallel["files"] == serial["files"]  # the same files, byte for byte (sha256)
-    strip = lambda m: {n: {k: v for k, v in g.items() if k not in ("cached", "seconds")} for n, g in m.items()}  # noqa: E731
+    strip = lambda m: {n: {k: v for k, v in g.items() if k not in ("cached", "seconds")}  # noqa: E731
+                       for n, g in m.items()}
     assert strip(parallel["graphs"]) == strip(serial["graphs"])
 
 

@@ -50,7 +50,8 @@ def test_a_backend_that_computes_something_else_fails(monkeypatch):
     found, broken = registry._registry()
     monkeypatch.setattr(registry, "_registry", lambda: ({**found, "perturbing": wrong}, broken))
     outcomes = {o.check: o for o in run_conformance("perturbing")}
-    assert outcomes["graph.experts"].status == "failed" and "relative error 1.00e-02" in outcomes["graph.experts"].detail
+    assert (outcomes["graph.experts"].status == "failed"
+            and "relative error 1.00e-02" in outcomes["graph.experts"].detail)
     assert outcomes["engine.prefill_decode"].status == "failed"
     assert outcomes["op.linear"].status == "failed" and outcomes["op.rmsnorm"].status == "failed"
 

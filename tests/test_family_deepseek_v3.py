@@ -47,7 +47,8 @@ def test_stacked_experts_and_legacy_spellings(tmp_path):
     `rope_theta` + `rope_scaling` for `rope_parameters` all load to the same model."""
     cfg = transformers.DeepseekV3Config(**{**BASE, "rope_parameters": {**YARN, "mscale": 0.9, "mscale_all_dim": 1.1}})
     hf = build_checkpoint(cfg, tmp_path, layout="stacked", prepare=correction_bias)
-    legacy = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.9, "mscale_all_dim": 1.1}
+    legacy = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.9,
+              "mscale_all_dim": 1.1}
     edit_config(tmp_path, n_routed_experts=None, num_local_experts=8, rope_parameters=None, rope_theta=5000.0,
                 rope_scaling=legacy)  # fmt: skip
     model = assert_matches(tmp_path, hf, prompt_len=11, chunk=4)

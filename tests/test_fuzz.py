@@ -403,7 +403,8 @@ def test_fuzzed_calibrate_and_plan_arguments(tiny, calibration_text, profile_pat
     if draw(st.booleans(), label="calibrate") in (True, "calibrate"):
         text = draw(st.just(str(calibration_text)) | ARG_TEXT, label="text")
         text = str(calibration_text) if text is None else text
-        argv = ["calibrate", "--text", text,  # the demo model: it has a tokenizer, so --chunk is reached "--out", fresh_path(tmp_path, ".json"),
+        # the demo model: it has a tokenizer, so --chunk is reached
+        argv = ["calibrate", "--text", text, "--out", fresh_path(tmp_path, ".json"),
                 *draw(options({"--chunk": NUMBERS}), label="options")]
     else:
         profile = draw(st.just(str(profile_path)) | ARG_TEXT, label="profile")

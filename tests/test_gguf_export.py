@@ -35,7 +35,8 @@ def test_gguf_holds_every_tensor_under_llama_cpp_names(exported):
             fields["qwen3moe.attention.head_count_kv"], fields["qwen3moe.attention.key_length"]) == (2, 8, 2, 2, 16)
     tensors = {t.name: np.asarray(t.data) for t in reader.tensors}
     w = model.weights
-    np.testing.assert_array_equal(tensors["blk.1.attn_q.weight"], w["layers.1.attn.q.weight"].numpy().astype(np.float16))
+    np.testing.assert_array_equal(tensors["blk.1.attn_q.weight"],
+                                  w["layers.1.attn.q.weight"].numpy().astype(np.float16))
     np.testing.assert_array_equal(tensors["blk.0.attn_k_norm.weight"], w["layers.0.attn.k_norm.weight"].numpy())
     gate = tensors["blk.1.ffn_gate_exps.weight"]  # [experts, intermediate, hidden], expert e at index e
     assert gate.shape == (8, 32, 64)
@@ -44,7 +45,8 @@ def test_gguf_holds_every_tensor_under_llama_cpp_names(exported):
 
 
 def test_llama_cpp_computes_npumoes_logits_from_it(exported):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install 'npumoe[bench]')")
+    llama_cpp = pytest.importorskip("llama_cpp",
+                                    reason="llama-cpp-python is not installed (pip install 'npumoe[bench]')")
     from npumoe.core.native import native_output_silenced
 
     model, path = exported

@@ -24,8 +24,8 @@ ARCH = dict(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediat
             shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
 # what GPTQ exporters quantise: attention and MLP projections; never the router, gates, norms or embeddings
-QUANTISED = re.compile(r".*\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj)"
-                       r"\.weight$")
+QUANTISED = re.compile(r".*\.layers\.\d+\.(self_attn\.[qkvo]_proj|"
+                       r"mlp\.(experts\.\d+|shared_expert)\.(gate|up|down)_proj)\.weight$")
 
 
 def gptq_grid(w: np.ndarray, bits: int, group: int, symmetric: bool):
@@ -117,7 +117,8 @@ def test_damaged_gptq_layers_are_named(source, tmp_path):
     layer = "model.layers.1.mlp.experts.2.up_proj"
     for edit, match in ((lambda s: s.pop(f"{layer}.qzeros"), f"{layer} has a qweight but no qzeros"),
                         (lambda s: s.update({f"{layer}.g_idx": torch.flip(s[f"{layer}.g_idx"], [0])}), "act-order"),
-                        (lambda s: s.update({"model.layers.0.self_attn.o_proj.bias": torch.ones(64)}), "non-zero bias")):
+                        (lambda s: s.update({"model.layers.0.self_attn.o_proj.bias": torch.ones(64)}),
+                         "non-zero bias")):
         damaged = dict(state)
         edit(damaged)
         save_file(damaged, str(file))

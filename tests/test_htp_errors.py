@@ -123,7 +123,8 @@ def test_executorch_after_onnxruntime_qnn_in_one_process_is_refused():
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
     env.pop("QNN_SDK_ROOT", None)
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120, check=False)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
     assert "already loaded onnxruntime-qnn's libQnnHtp.so" in done.stdout, done.stderr[-2000:]
     assert "run --via executorch in its own process" in done.stdout
 

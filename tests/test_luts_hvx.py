@@ -13,8 +13,8 @@ emulated = pytest.mark.skipif(MISSING is not None, reason=f"HVX emulation: {MISS
 # (bits, group, N, K, symmetric): int2/int4 × group 64/128 on 1024×1024, then random shapes.
 rng_shapes = np.random.default_rng(6)
 GEMV_CASES = [(bits, group, 1024, 1024, False) for bits in (2, 4) for group in (64, 128)] + [
-    (int(rng_shapes.choice([2, 4])), group, 128 * int(rng_shapes.integers(1, 6)), group * int(rng_shapes.integers(1, 9)),
-     bool(rng_shapes.integers(2))) for group in (64, 128, 64, 128)] + [
+    (int(rng_shapes.choice([2, 4])), group, 128 * int(rng_shapes.integers(1, 6)),
+     group * int(rng_shapes.integers(1, 9)), bool(rng_shapes.integers(2))) for group in (64, 128, 64, 128)] + [
     (1, 32, 256, 96, False), (3, 64, 200, 192, True), (5, 32, 130, 160, True),  # other widths, padded rows
     (6, 64, 140, 128, False), (8, 128, 128, 256, False)]
 

@@ -25,7 +25,8 @@ def blocks(per_block, shape):
 
 def shift_scale_model(m):  # constexpr_blockwise_shift_scale: scale · (data − offset), in the scale's type
     offset = 0 if m.offset is None else blocks(m.offset.astype(np.float32), m.data.shape)
-    return ((m.data.astype(np.float32) - offset) * blocks(m.scale.astype(np.float32), m.data.shape)).astype(m.scale.dtype)
+    return ((m.data.astype(np.float32) - offset)
+            * blocks(m.scale.astype(np.float32), m.data.shape)).astype(m.scale.dtype)
 
 
 def lut_model(m):  # constexpr_lut_to_dense, scalar palettes: lut[block(n), block(k), index, 0]

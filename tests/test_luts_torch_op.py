@@ -215,7 +215,8 @@ def test_packed_linears_batched_in_one_call_equal_each_alone():
 
     rng = np.random.default_rng(4)
     formats = [(70, 128, 4, 64, False), (1000, 64, 2, 32, True), (16, 256, 8, 128, False), (33, 96, 3, 32, False)]
-    packs = [spec.quantize_pack(rng.standard_normal((n, k)).astype(np.float32), b, g, sym) for n, k, b, g, sym in formats]
+    packs = [spec.quantize_pack(rng.standard_normal((n, k)).astype(np.float32), b, g, sym)
+             for n, k, b, g, sym in formats]
     linears = [LutLinear(p, bias=torch.randn(p.meta.shape[0]) if i == 2 else None) for i, p in enumerate(packs)]
     xs = [torch.randn(1, k) for _, k, *_ in formats]
     batched = lut_linear_many(xs, linears)

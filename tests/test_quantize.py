@@ -125,8 +125,8 @@ def test_heldout_reports_the_perplexity_the_format_costs(source, tmp_path, capsy
     text = "0123456789:;<=>?!#$%&()*+,-./" * 12  # byte tokens inside the tiny model's 64-token vocabulary
     (tmp_path / "heldout.txt").write_text(text)
     capsys.readouterr()
-    main(["quantize", "--model", str(source), "--bits", "2", "--group", "32", "--heldout", str(tmp_path / "heldout.txt"),
-          "--out", str(tmp_path / "q")])
+    main(["quantize", "--model", str(source), "--bits", "2", "--group", "32",
+          "--heldout", str(tmp_path / "heldout.txt"), "--out", str(tmp_path / "q")])
     line = capsys.readouterr().out.strip().splitlines()[-1]
     ids = np.frombuffer(text.encode(), np.uint8).astype(np.int64)  # 348 tokens: windows of 256 and 92
     hf = transformers.AutoModelForCausalLM.from_pretrained(source).float().eval()
@@ -218,7 +218,8 @@ def test_an_earlier_quantised_checkpoint_is_replaced_whole(source, tmp_path):
     assert npumoe.load(tmp_path / "q").config[checkpoint.SECTION]["bits"] == 2
 
 
-@pytest.mark.parametrize("method, match", [("awq", "quantized \\(awq\\)"), ("gptq", "GPTQ with one scale per output row")])
+@pytest.mark.parametrize("method, match", [("awq", "quantized \\(awq\\)"),
+                                           ("gptq", "GPTQ with one scale per output row")])
 def test_foreign_quantisation_configs_are_still_refused(source, tmp_path, method, match):
     quantize_checkpoint(source, tmp_path, 4, 64)
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -259,7 +260,8 @@ def drop_zeros(tensors):
     (dict(edit_tensors=flip_a_bit), "checksum mismatch .* corrupted"),
     (dict(edit_meta=reshape_meta), r"packed planes has shape \[4, 64, 16\] but a 4-bit 64×64 weight"),
     (dict(edit_tensors=drop_zeros), f"lacks its '{NAME}.zeros' entry"),
-    (dict(edit_meta=lambda meta: meta.clear() or None), f"missing tensor '{NAME.replace('1.moe.experts.2.down', '0.moe.experts.0.gate')}'"),
+    (dict(edit_meta=lambda meta: meta.clear() or None),
+     f"missing tensor '{NAME.replace('1.moe.experts.2.down', '0.moe.experts.0.gate')}'"),
 ])
 def test_damaged_checkpoints_are_refused(source, tmp_path, edit, match):
     quantize_checkpoint(source, tmp_path, 4, 64)

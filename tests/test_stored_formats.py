@@ -54,7 +54,8 @@ def fp8(tmp_path_factory):
         qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
         first_k_dense_replace=1, n_shared_experts=1, max_position_embeddings=128)
     build_checkpoint(cfg, root / "src")
-    state, config = load_file(str(root / "src" / "model.safetensors")), json.loads((root / "src" / "config.json").read_text())
+    state, config = (load_file(str(root / "src" / "model.safetensors")),
+                     json.loads((root / "src" / "config.json").read_text()))
     gen = torch.Generator().manual_seed(0)
     packed, plain = {}, {}
     for key, t in state.items():
@@ -97,7 +98,8 @@ def mxfp4(tmp_path_factory):
         num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
         max_position_embeddings=128)
     build_checkpoint(cfg, root / "src", layout="stacked")
-    state, config = load_file(str(root / "src" / "model.safetensors")), json.loads((root / "src" / "config.json").read_text())
+    state, config = (load_file(str(root / "src" / "model.safetensors")),
+                     json.loads((root / "src" / "config.json").read_text()))
     gen = torch.Generator().manual_seed(1)
     packed, plain = {}, {}
     for key, t in state.items():
@@ -111,8 +113,9 @@ def mxfp4(tmp_path_factory):
             plain[key] = mxfp4_oracle(blocks, scales, dtype=torch.bfloat16)
         else:
             packed[key] = plain[key] = t
-    quant = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
-                                                                 "model.embed_tokens", "lm_head"]}
+    quant = {"quant_method": "mxfp4",
+             "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                        "model.embed_tokens", "lm_head"]}
     return write(root / "mxfp4", packed, {**config, "quantization_config": quant}), write(root / "plain", plain, config)
 
 

@@ -89,8 +89,9 @@ def compress(mlmodel, precision: str, arrays: Mapping[bytes, object] | None = No
         @classmethod
         def blockwise_compress_by_dtype(cls, original_data, dtype, mode, block_sizes):
             blocks, tail = found(original_data)
-            return QuantParams(data=blocks.data.reshape(*blocks.data.shape, *tail).astype(types.nptype_from_builtin(types.int4)),
-                               scale=blocks.scale.reshape(*blocks.scale.shape, *tail), offset=None, nbits=np.uint8(4))
+            return QuantParams(
+                data=blocks.data.reshape(*blocks.data.shape, *tail).astype(types.nptype_from_builtin(types.int4)),
+                scale=blocks.scale.reshape(*blocks.scale.shape, *tail), offset=None, nbits=np.uint8(4))
 
     class LutsPalettes(palettize_weights):
         @staticmethod

@@ -76,7 +76,8 @@ class IntelNpuBackend(BackendBase):
 
     def load(self, artifact: dict, out_dir: Path, graph, weights):
         if artifact.format != FORMAT:
-            raise ArtifactError(f"{out_dir} was not built for intel_npu; build it with npumoe build --target intel_npu.")
+            raise ArtifactError(f"{out_dir} was not built for intel_npu; "
+                                "build it with npumoe build --target intel_npu.")
         if self._core is None:
             self._core = openvino().Core()
         # OpenVINO's CPU device would compute in bf16 where the CPU has it; the NPU computes in fp16, so stand-in

@@ -136,7 +136,8 @@ class HtpBackend(BackendBase):
         except Exception as err:  # noqa: BLE001 - onnxruntime raises its own Fail/RuntimeException types
             raise rejection_error(graph, data, self.soc, self.fp16, err) from None
         binaries = sorted(p.name for p in (out_dir / GRAPH_DIR).glob(f"{graph.name}_ctx*") if p.suffix != ".onnx")
-        return Lowered(FORMAT, (*([str(rel)] if rel else []), str(ctx), *(str(Path(GRAPH_DIR) / b) for b in binaries)), {
+        return Lowered(FORMAT, (*([str(rel)] if rel else []), str(ctx),
+                                *(str(Path(GRAPH_DIR) / b) for b in binaries)), {
             "onnx": None if rel is None else str(rel),
             "context_model": str(ctx),
             "context_binary_bytes": sum((out_dir / GRAPH_DIR / b).stat().st_size for b in binaries),

@@ -97,7 +97,8 @@ def hub_profile(out_dir: Path, device: str) -> dict[str, str]:
     manifest = read_manifest(out_dir)
     compiled = manifest.get("hub", {}).get("compile", {}).get("jobs")
     if not compiled:
-        raise ArtifactError(f"{out_dir} has no AI Hub compile jobs; run npumoe hub compile --artifacts {out_dir} first.")
+        raise ArtifactError(f"{out_dir} has no AI Hub compile jobs; "
+                            f"run npumoe hub compile --artifacts {out_dir} first.")
     target = hub.Device(device)
     jobs = {name: hub.submit_profile_job(model=hub.get_job(job_id).get_target_model(), device=target,
                                          name=f"npumoe {name}") for name, job_id in compiled.items()}

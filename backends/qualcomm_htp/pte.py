@@ -4,9 +4,9 @@ by ExecuTorch's runtime on the HTP (through :mod:`.shim` here).
 Each graph becomes a torch module that runs the reference executor's op implementations
 (so its semantics are the IR's by construction) with the weights as buffers, exported with
 static shapes. One exception: RMSNorm divides by the root mean square, because the QNN
-lowering of the rsqrt form is wrong over [S, heads, D]. ``fp16`` lowers in fp16; ``w8a16`` is ExecuTorch's QnnQuantizer 16a8w
-(16-bit activations, 8-bit weights), calibrated on the same feeds as the ONNX path.
-Ops the partitioner does not take stay on ExecuTorch's portable CPU kernels.
+lowering of the rsqrt form is wrong over [S, heads, D]. ``fp16`` lowers in fp16; ``w8a16`` is
+ExecuTorch's QnnQuantizer 16a8w (16-bit activations, 8-bit weights), calibrated on the same feeds
+as the ONNX path. Ops the partitioner does not take stay on ExecuTorch's portable CPU kernels.
 """
 
 from __future__ import annotations

@@ -49,7 +49,8 @@ def ort_qnn():
         import onnxruntime as ort
         import onnxruntime_qnn
     except ImportError as err:
-        raise BackendUnavailableError(f"the HTP backend needs onnxruntime-qnn ({err}); install it with {INSTALL}.") from err
+        raise BackendUnavailableError(f"the HTP backend needs onnxruntime-qnn ({err}); "
+                                      f"install it with {INSTALL}.") from err
     if not _registered:
         ort.register_execution_provider_library("QNNExecutionProvider", onnxruntime_qnn.get_library_path())
         _registered = True

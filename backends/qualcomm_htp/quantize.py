@@ -74,7 +74,8 @@ def quantize(model, feeds: list[dict[str, np.ndarray]], precision: str, weights:
     weight_type = getattr(QuantType, SCHEMES[precision]["weight_type"])
     initializers = {i.name for i in model.graph.initializer}
     linear = {n.name: n.input[1] for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers}
-    overrides = {name: [{"quant_type": weight_type, "axis": 1, "symmetric": True}] for name in sorted(set(linear.values()))}
+    overrides = {name: [{"quant_type": weight_type, "axis": 1, "symmetric": True}]
+                 for name in sorted(set(linear.values()))}
     reader = _Feeds(feeds, {i.name for i in model.graph.input})
     config = get_qnn_qdq_config(model, reader, activation_type=QuantType.QUInt16, weight_type=QuantType.QUInt8,
                                 init_overrides=overrides, calibration_providers=["CPUExecutionProvider"])

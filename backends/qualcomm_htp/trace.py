@@ -77,7 +77,8 @@ def graph_cycles(engine) -> dict[str, dict]:
 def chrome_trace(engine) -> dict:
     spans = engine.metrics_.spans or []
     launches = [(ex, run, span) for ex in htp_executors(engine)
-                for run, span in zip(read_profile(ex.profile_csv) if Path(ex.profile_csv).exists() else [], ex.launches)]
+                for run, span in zip(read_profile(ex.profile_csv) if Path(ex.profile_csv).exists() else [],
+                                     ex.launches)]
     origin = min([s for _, s, _ in spans] + [span[0] for _, _, span in launches], default=0.0)
 
     def us(t: float) -> float:
@@ -85,7 +86,8 @@ def chrome_trace(engine) -> dict:
 
     events = [{"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": name}}
               for name, tid in THREADS.items()]
-    events += [{"ph": "X", "name": op, "cat": "host", "pid": 1, "tid": THREADS["Host"], "ts": us(a), "dur": us(b) - us(a)}
+    events += [{"ph": "X", "name": op, "cat": "host", "pid": 1, "tid": THREADS["Host"],
+                "ts": us(a), "dur": us(b) - us(a)}
                for op, a, b in spans]
     for ex, run, (a, b) in launches:
         events.append({"ph": "X", "name": ex.graph_name, "cat": "htp", "pid": 1, "tid": THREADS["HTP graphs"],
@@ -96,7 +98,8 @@ def chrome_trace(engine) -> dict:
         for node, cycles in run.nodes:
             dur = (us(b) - us(a)) * cycles / total
             events.append({"ph": "X", "name": node, "cat": "htp_op", "pid": 1, "tid": THREADS["HTP ops"],
-                           "ts": round(ts, 3), "dur": round(dur, 3), "args": {"cycles": cycles, "graph": ex.graph_name}})
+                           "ts": round(ts, 3), "dur": round(dur, 3),
+                           "args": {"cycles": cycles, "graph": ex.graph_name}})
             ts += dur
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"kind": KIND, "htp_graph_cycles": graph_cycles(engine)}}

@@ -431,7 +431,8 @@ static void stream_range(void *ctx, int part0, int part1) {
  * (0: left to the hardware prefetchers): the machine's streaming-read bandwidth probe. */
 NPUMOE_API uint64_t npumoe_stream_read(const void *buf, size_t bytes, int threads, size_t prefetch) {
     stream_job job = {buf, bytes / sizeof(uint64_t), prefetch / sizeof(uint64_t), {0}};
-    lut_parallel(stream_range, &job, LUT_MAX_THREADS, threads, (int)(LUT_STREAM_CHUNK * LUT_MAX_THREADS / (bytes + 1)) + 1);
+    lut_parallel(stream_range, &job, LUT_MAX_THREADS, threads,
+                 (int)(LUT_STREAM_CHUNK * LUT_MAX_THREADS / (bytes + 1)) + 1);
     uint64_t s = 0;
     for (int i = 0; i < LUT_MAX_THREADS; i++) s ^= job.sums[i];
     return s;

@@ -47,7 +47,8 @@ typedef __m256i vi;
 #define i_sub _mm256_sub_epi32
 #define i_or _mm256_or_si256
 #define i_set1 _mm256_set1_epi32
-#define i_add_u8_times(a, p, c) _mm256_add_epi32(a, _mm256_madd_epi16(i_u8(p), _mm256_set1_epi32(c))) /* z in the low word */
+#define i_add_u8_times(a, p, c) \
+    _mm256_add_epi32(a, _mm256_madd_epi16(i_u8(p), _mm256_set1_epi32(c))) /* z in the low word */
 #define i_table16(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
 #define i_lookup16 _mm256_shuffle_epi8
 #define i_nibble(v, h) _mm256_and_si256((h) ? _mm256_srli_epi16(v, 4) : (v), _mm256_set1_epi8(0x0F))
@@ -62,8 +63,10 @@ static inline float f_reduce_max(vf v) {
 /* v[c] lane t = v[t] lane c, for c, t < 8. */
 static inline __attribute__((always_inline)) void f_transpose(vf v[8]) {
     vf t[8], s[8];
-    for (int i = 0; i < 4; i++)
-        t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    }
     for (int h = 0; h < 2; h++) /* within each 128-bit lane, inputs 4L + q of rows 4h .. 4h + 3 in s[4h + q] */
         for (int i = 0; i < 2; i++) {
             s[4 * h + 2 * i] = _mm256_shuffle_ps(t[4 * h + i], t[4 * h + 2 + i], 0x44);

@@ -56,8 +56,10 @@ typedef struct {
 /* v[c] lane t = v[t] lane c, for c, t < 16: 4 × 4 transposes within 128-bit lanes, then of the lanes. */
 static inline __attribute__((always_inline)) void f_transpose(vf v[16]) {
     vf t[16], u[16], w[16];
-    for (int i = 0; i < 8; i++)
-        t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]);
+    }
     for (int g = 0; g < 4; g++) /* lane L of u[4g + q]: input 4L + q of rows 4g .. 4g + 3 */
         for (int i = 0; i < 2; i++) {
             u[4 * g + 2 * i] = _mm512_shuffle_ps(t[4 * g + i], t[4 * g + 2 + i], 0x44);
@@ -92,7 +94,8 @@ static inline __m512i plane_rows(const uint8_t *plane, int rv) {
     return _mm512_permutexvar_epi8(_mm512_loadu_si512(byte_of_row), _mm512_loadu_si512(plane));
 }
 
-static inline __attribute__((always_inline)) void tile_dot(vi a[][ACC], const uint8_t *tile, const kt_tables *t, int i) {
+static inline __attribute__((always_inline)) void tile_dot(vi a[][ACC], const uint8_t *tile, const kt_tables *t,
+                                                           int i) {
     const __m512i nibble = _mm512_set1_epi8(0x0F), positions = _mm512_set1_epi32(0x30201000);
     const __m512i v = plane_rows(tile, 0);
     const __m512i lo = _mm512_ternarylogic_epi32(v, nibble, positions, 0xEA); /* (v & 15) | p << 4 */

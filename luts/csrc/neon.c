@@ -65,8 +65,10 @@ static inline vi i_u8(const uint8_t *p) {
 }
 
 static inline void store_run(int8_t *dst, const vf *t, vf inv) {
-    int16x8_t lo = vcombine_s16(vqmovn_s32(vcvtnq_s32_f32(vmulq_f32(t[0], inv))), vqmovn_s32(vcvtnq_s32_f32(vmulq_f32(t[1], inv))));
-    int16x8_t hi = vcombine_s16(vqmovn_s32(vcvtnq_s32_f32(vmulq_f32(t[2], inv))), vqmovn_s32(vcvtnq_s32_f32(vmulq_f32(t[3], inv))));
+    int16x8_t lo = vcombine_s16(vqmovn_s32(vcvtnq_s32_f32(vmulq_f32(t[0], inv))),
+                                vqmovn_s32(vcvtnq_s32_f32(vmulq_f32(t[1], inv))));
+    int16x8_t hi = vcombine_s16(vqmovn_s32(vcvtnq_s32_f32(vmulq_f32(t[2], inv))),
+                                vqmovn_s32(vcvtnq_s32_f32(vmulq_f32(t[3], inv))));
     vst1q_s8(dst, vcombine_s8(vqmovn_s16(lo), vqmovn_s16(hi)));
 }
 

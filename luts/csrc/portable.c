@@ -32,9 +32,11 @@ float lut_half_to_float(uint16_t h) {
 const uint32_t lut_repack[8][16] = {ROW(0), ROW(1), ROW(2), ROW(3), ROW(4), ROW(5), ROW(6), ROW(7)};
 #define B(i, j, idx) ((uint8_t)((R(i, idx) >> (8 * (j))) & 0xFF))
 #define BYTES(i, j) {B(i, j, 0), B(i, j, 1), B(i, j, 2), B(i, j, 3), B(i, j, 4), B(i, j, 5), B(i, j, 6), B(i, j, 7), \
-                     B(i, j, 8), B(i, j, 9), B(i, j, 10), B(i, j, 11), B(i, j, 12), B(i, j, 13), B(i, j, 14), B(i, j, 15)}
+                     B(i, j, 8), B(i, j, 9), B(i, j, 10), B(i, j, 11), B(i, j, 12), B(i, j, 13), B(i, j, 14), \
+                     B(i, j, 15)}
 #define PLANE(i) {BYTES(i, 0), BYTES(i, 1), BYTES(i, 2), BYTES(i, 3)}
-const uint8_t lut_repack_bytes[8][4][16] = {PLANE(0), PLANE(1), PLANE(2), PLANE(3), PLANE(4), PLANE(5), PLANE(6), PLANE(7)};
+const uint8_t lut_repack_bytes[8][4][16] = {PLANE(0), PLANE(1), PLANE(2), PLANE(3), PLANE(4), PLANE(5), PLANE(6),
+                                            PLANE(7)};
 
 /* T[e] for one run of four activations: odd e computed left to right, even e mirrored. */
 static void run_table(const float *x, float *t) {

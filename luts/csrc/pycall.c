@@ -57,10 +57,12 @@ static PyObject *gemv(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 static PyMethodDef methods[] = {
-    {"gemv", (PyCFunction)(void (*)(void))gemv, METH_FASTCALL, "y = x Wᵀ through a kernel library; False if x, out do not fit"},
+    {"gemv", (PyCFunction)(void (*)(void))gemv, METH_FASTCALL,
+     "y = x Wᵀ through a kernel library; False if x, out do not fit"},
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_lutcall", "The LUT-GEMV as a CPython function.", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_lutcall", "The LUT-GEMV as a CPython function.", -1,
+                                    methods};
 
 PyMODINIT_FUNC PyInit__lutcall(void) { return PyModule_Create(&module); }

@@ -196,7 +196,7 @@ static inline __attribute__((always_inline)) void gemv_bits(const lut_weight *w,
 
 void ISA(gemv)(const lut_weight *w, const lut_tables *t, int rb0, int rb1, float *y, int32_t *acc) {
 /* acc NULL (every call but the accumulators' tests) a constant: the group loop without its stores keeps its pointers
- * in registers (hot, one thread: int2 +5 %, int4 +2 %). */
+ * in registers (hot, one thread: AVX2 int2 +5 %, int4 +2 %; AVX-512 +2-4 %). */
 #define GEMV(b)                                           \
     if (acc)                                              \
         gemv_bits(w, t, rb0, rb1, y, acc, b);             \
@@ -374,7 +374,8 @@ void ISA(gemm)(const lut_weight *w, const float *xt, int m_pad, int m, int rb0, 
             const int kc = w->k - k0 < KC ? w->k - k0 : KC;
             for (int kt = k0 / LUT_TILE_K; kt < (k0 + kc) / LUT_TILE_K; kt++)
                 for (int b = 0; b < blocks; b++)
-                    ISA(dequant_tile)(w, rb + b, kt, panel + (kt * LUT_TILE_K - k0) * PANEL_LD + b * LUT_ROWS, PANEL_LD);
+                    ISA(dequant_tile)(w, rb + b, kt, panel + (kt * LUT_TILE_K - k0) * PANEL_LD + b * LUT_ROWS,
+                                      PANEL_LD);
             for (int m0 = 0; m0 < m_pad; m0 += GEMM_MR)
                 microkernel(xt + (size_t)k0 * m_pad + m0, m_pad, panel, kc, y + (size_t)m0 * ldy + rb * LUT_ROWS, ldy,
                             m - m0, k0 == 0, blocks * RV);

@@ -28,10 +28,12 @@ static void probe(int rt) {
 
 static void gemv(const int32_t *h) {
     const int row_blocks = h[1], k = h[2], bits = h[3], group = h[4], reference = h[5];
-    if (!hvx_linear_supported(bits, group) || k <= 0 || k & (group - 1) || row_blocks <= 0) rt_fail("unsupported GEMV shape");
+    if (!hvx_linear_supported(bits, group) || k <= 0 || k & (group - 1) || row_blocks <= 0)
+        rt_fail("unsupported GEMV shape");
     const size_t groups = (size_t)hvx_groups(k, group), params = (size_t)row_blocks * groups * HVX_ROWS;
     const float *x = input((size_t)k * 4);
-    const hvx_weight w = {bits, group, row_blocks, k, input(params * bits * group / 8), input(params * 4), input(params)};
+    const hvx_weight w = {bits, group, row_blocks, k, input(params * bits * group / 8), input(params * 4),
+                          input(params)};
     const hvx_tables t = {rt_alloc((size_t)k / 16 * 128), rt_alloc(groups * 4), rt_alloc(groups * 4)};
     int32_t *acc = rt_alloc(params * 4);
     float *y = rt_alloc((size_t)row_blocks * HVX_ROWS * 4);

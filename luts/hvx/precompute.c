@@ -65,7 +65,8 @@ void hvx_precompute(const float *x, int k, int group, const hvx_tables *t) {
         for (int c = 0; c < runs; c++) {
             const int run = g * runs + c, sel = run & 3;
             int16_t *vec = t->tables + (size_t)(run >> 2) * 64;
-            for (int e = 0; e < 16; e++) vec[2 * (16 * (sel & 1) + e) + (sel >> 1)] = (int16_t)round_even(table[c][e] * inv);
+            for (int e = 0; e < 16; e++)
+                vec[2 * (16 * (sel & 1) + e) + (sel >> 1)] = (int16_t)round_even(table[c][e] * inv);
             sum += vec[2 * (16 * (sel & 1) + 15) + (sel >> 1)];
         }
         t->xq[g] = sum;

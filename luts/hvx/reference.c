@@ -14,7 +14,8 @@ void hvx_linear_reference(const hvx_weight *w, const int16_t *tables, int32_t *a
                         for (int nibble = 0; nibble < 2; nibble++) {
                             const int run = g * pairs * 2 + 2 * p + nibble, sel = run & 3;
                             const int e = (vec[j] >> (4 * nibble)) & 15;
-                            acc[HVX_ROW(j)] += tables[(run >> 2) * 64 + 2 * (16 * (sel & 1) + e) + (sel >> 1)] * (1 << i);
+                            acc[HVX_ROW(j)] +=
+                                tables[(run >> 2) * 64 + 2 * (16 * (sel & 1) + e) + (sel >> 1)] * (1 << i);
                         }
         }
 }

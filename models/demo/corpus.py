@@ -16,7 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 MAX_FILE_BYTES = 200_000
-SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__"}  # test/, idlelib/idle_test, lib2to3/tests, ...
+SKIP_DIRS = {"site-packages", "test", "tests", "idle_test",  # test/, idlelib/idle_test, lib2to3/tests, ...
+             "__pycache__"}
 HELD_OUT_MOD = 20
 
 

@@ -1,4 +1,5 @@
-"""`npumoe bench hvx`: the HVX kernel's instruction counts and modelled cost (measured by :mod:`npumoe.luts.hvx.bench`)."""
+"""`npumoe bench hvx`: the HVX kernel's instruction counts and modelled cost
+(measured by :mod:`npumoe.luts.hvx.bench`)."""
 
 from __future__ import annotations
 

@@ -27,8 +27,8 @@ def render(result: dict, console: Console) -> None:
     for threads, row in result["threads"].items():
         for name in FORMATS:
             r = row[name]
-            decode.add_row(threads, name, f"{r['ms']:.3f}", f"{r['gbs']:.1f}", f"{r['stream_gbs']:.1f}", f"{r['bw_ratio']:.2f}",
-                           f"{r['speedup_vs_fp32']:.1f}", f"{r['speedup_vs_dequant']:.1f}")
+            decode.add_row(threads, name, f"{r['ms']:.3f}", f"{r['gbs']:.1f}", f"{r['stream_gbs']:.1f}",
+                           f"{r['bw_ratio']:.2f}", f"{r['speedup_vs_fp32']:.1f}", f"{r['speedup_vs_dequant']:.1f}")
             prefill.add_row(threads, name, r["prefill_path"], f"{r['prefill_ms']:.1f}", f"{row['fp32_gemm_ms']:.1f}",
                             f"{r['prefill_vs_fp32']:.2f}")
     console.print(decode)
@@ -43,9 +43,12 @@ def render(result: dict, console: Console) -> None:
 
 @click.command("lut")
 @click.option("--size", default=4096, show_default=True, type=click.IntRange(32), help="N = K of the weight.")
-@click.option("--group", default=64, show_default=True, type=click.Choice(["32", "64", "128"]), callback=lambda c, p, v: int(v))
-@click.option("--repeats", default=20, show_default=True, type=click.IntRange(3), help="Calls per measurement (×copies for GEMV).")
-@click.option("--kernel", default=None, help="Force a kernel (avx512, avx2, neon, portable); default: the best this CPU runs.")
+@click.option("--group", default=64, show_default=True, type=click.Choice(["32", "64", "128"]),
+              callback=lambda c, p, v: int(v))
+@click.option("--repeats", default=20, show_default=True, type=click.IntRange(3),
+              help="Calls per measurement (×copies for GEMV).")
+@click.option("--kernel", default=None,
+              help="Force a kernel (avx512, avx2, neon, portable); default: the best this CPU runs.")
 @click.option("--rotate-mb", default=160, show_default=True, type=click.IntRange(1),
               help="Weights rotate through this much memory (keep it above the last-level cache).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")

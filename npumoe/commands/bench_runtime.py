@@ -49,7 +49,8 @@ def random_moe_weights(spec: ModelSpec, seed: int = 0) -> dict[str, torch.Tensor
     w = {"layers.0.moe.router.weight": torch.randn(moe.num_experts, h, generator=gen) * h**-0.5}
     for e in range(moe.num_experts):
         for name, shape in (("gate", (i, h)), ("up", (i, h)), ("down", (h, i))):
-            w[f"layers.0.moe.experts.{e}.{name}.weight"] = torch.empty(shape).normal_(0, shape[1] ** -0.5, generator=gen)
+            w[f"layers.0.moe.experts.{e}.{name}.weight"] = torch.empty(shape).normal_(
+                0, shape[1] ** -0.5, generator=gen)
     return w
 
 
@@ -219,7 +220,8 @@ def bench_runtime_command(repeats, chunk, small, skip_demo, as_json):
     for op in (*HOST_OPS[:3], "expert_ffn", *HOST_OPS[3:]):
         table.add_row(op, f"{breakdown['seconds'].get(op, 0.0) * 1e3:.2f}")
     console.print(table)
-    console.print(f"host ops / expert FFN = [bold]{breakdown['host_over_ffn']:.4f}[/bold] (NPUMoE Table 4: 2.2; goal ≤ 0.05)")
+    console.print(f"host ops / expert FFN = [bold]{breakdown['host_over_ffn']:.4f}[/bold] "
+                  "(NPUMoE Table 4: 2.2; goal ≤ 0.05)")
     for target, figures in result.get("demo", {}).items():
         t = Table("plan", "graphs", "padded %", "dropped %", "spilled %", "NPU share %", "launches",
                   title=f"demo model, held-out text, chunk {chunk}, target {target}, every group on the NPU",

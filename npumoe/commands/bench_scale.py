@@ -57,7 +57,8 @@ HUB_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.no
            "lm_head.weight": "lm_head.weight"}
 HUB_LAYER = [(re.compile(p), r) for p, r in (
     (r"attn_norm\.weight", "input_layernorm.weight"), (r"ffn_norm\.weight", "post_attention_layernorm.weight"),
-    (r"attn\.(q|k|v|o)\.weight", r"self_attn.\1_proj.weight"), (r"attn\.(q|k)_norm\.weight", r"self_attn.\1_norm.weight"),
+    (r"attn\.(q|k|v|o)\.weight", r"self_attn.\1_proj.weight"),
+    (r"attn\.(q|k)_norm\.weight", r"self_attn.\1_norm.weight"),
     (r"moe\.router\.weight", "mlp.gate.weight"),
     (r"moe\.experts\.(\d+)\.(gate|up|down)\.weight", r"mlp.experts.\1.\2_proj.weight"),
 )]  # fmt: skip
@@ -237,7 +238,8 @@ def run_steps(ckpt: Path, work: Path, steps: tuple[str, ...], console: Console) 
 
     text = work / "calibration.txt"
     text.write_text("".join(pydoc_data.topics.topics.values())[:4096])
-    ids = ",".join(str(b) for b in "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a,".encode()[:64])
+    ids = ",".join(
+        str(b) for b in "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a,".encode()[:64])
     model = ["--model", str(ckpt)]
     # the checkpoint's stored dtype at every cut: --dtype auto computes a small cut in fp32 (it fits), which
     # doubles its private memory and the bytes a token reads, and per-layer figures would not extrapolate
@@ -331,7 +333,8 @@ def bench_scale_command(model_name, layers, ckpt, steps, as_json):
     for r in results:
         if r["step"].startswith("build"):
             console.print(f"{r['step']}: the whole {layers}-layer model ≈ {layers * r['seconds'] / 60:.0f} min and "
-                          f"{layers * r['written_bytes'] / 1e9:.1f} GB written (extrapolated from one layer, not measured)")
+                          f"{layers * r['written_bytes'] / 1e9:.1f} GB written "
+                          "(extrapolated from one layer, not measured)")
     if "decode_bound" in result:
         b = result["decode_bound"]
         console.print(f"decode reads {b['weight_bytes_per_token'] / 1e9:.2f} GB of bf16 weights per token; at this "

@@ -40,9 +40,12 @@ def prompt_ids(model, prompt: str | None, ids: str | None) -> list[int]:
 @dtype_option
 @click.option("--prompt", default=DEMO_PROMPT, show_default=True, help="Text to continue.")
 @click.option("--ids", default=None, help="Token ids instead of text, e.g. '1,2,3' (for models without a tokenizer).")
-@click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(1), help="Tokens to generate.")
-@click.option("--chunk", default=DEFAULT_CHUNK, show_default=True, type=click.IntRange(1), help="Prefill chunk size (static graph length).")
-@click.option("--max-context", default=None, type=click.IntRange(1), help="KV cache length [default: min(model max, 512)].")
+@click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(1),
+              help="Tokens to generate.")
+@click.option("--chunk", default=DEFAULT_CHUNK, show_default=True, type=click.IntRange(1),
+              help="Prefill chunk size (static graph length).")
+@click.option("--max-context", default=None, type=click.IntRange(1),
+              help="KV cache length [default: min(model max, 512)].")
 @click.option("--plan", "plan_path", default=None, type=click.Path(), help="Run under a plan (npumoe plan --out).")
 @target_option("cpu", "Where NPU-placed graphs run; an NPU target needs --artifacts from npumoe build.")
 @click.option("--artifacts", default=None, type=click.Path(), help="Artifact directory from npumoe build.")

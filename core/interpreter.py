@@ -275,9 +275,9 @@ class TorchGraphExecutor:
         matrices of one shape (:func:`_bf16_swiglu_prompt`): their outputs' rows in x's order; None where that does
         not apply (the caller then runs each graph)."""
         matrices = [e.swiglu_matrices for e in executors]
-        if not matrices or any(m is None or not all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16
-                                                    for w in m) for m in matrices) \
-                or len({tuple(w.shape for w in m) for m in matrices}) != 1:
+        bf16 = all(m is not None and all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in m)
+                   for m in matrices)
+        if not bf16 or len({tuple(w.shape for w in m) for m in matrices}) != 1:  # (no executors: no shape)
             return None
         return _bf16_swiglu_prompt(matrices, x, counts)
 

@@ -1,4 +1,4 @@
-"""Defaults a backend may keep (see :mod:`npumoe.core.backend` for the contract itself).
+"""Defaults a backend may keep (see :mod:`npumoe.core.ir.backend` for the contract itself).
 
 :class:`BackendBase` supplies ``build`` (lower every graph through the build cache, with a progress
 bar), ``calibrate`` (a no-op; the HTP records QDQ activation ranges there) and ``describe``.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from npumoe.core.ir import Graph
+from npumoe.core.ir.graph import Graph
 
 
 class BackendBase:
@@ -54,8 +54,14 @@ class BackendBase:
 
 def build_progress(enabled: bool):
     """The build's progress bar: units done, elapsed, and the time left at the pace so far."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TextColumn("ETA"), TimeRemainingColumn(), disable=not enabled, transient=True)

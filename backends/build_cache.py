@@ -25,9 +25,9 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
-from npumoe.core.ir import Graph
-from npumoe.core.native import cache_dir
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
+from npumoe.core.base.native import cache_dir
+from npumoe.core.ir.graph import Graph
 
 ENTRY = "entry.json"
 VERSION = 1  # bump when what a key covers changes
@@ -59,7 +59,7 @@ def code_digest() -> str:
 
 def unit_key(graphs: list[Graph], weights, backend_description: dict, extra=None) -> str:
     """The key of a unit compiling ``graphs``: IR, weight bytes, backend, npumoe's code, and ``extra`` (JSON-able)."""
-    from npumoe.core.weights import weights_digest
+    from npumoe.core.ir.weights import weights_digest
 
     names = sorted({n for g in graphs for n in g.weight_names()})
     text = json.dumps({"version": VERSION, "code": code_digest(), "graphs": [graph_fingerprint(g) for g in graphs],

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op
+from npumoe.core.ir.graph import WEIGHT_PREFIX, Graph, Op
 
 OPSET = 21  # blocked DequantizeLinear (int4 QDQ) needs 21; QNN 2.51 accepts 13-28
 DTYPE = np.float32
@@ -205,7 +205,7 @@ def to_onnx(graph: Graph, weights: Mapping[str, torch.Tensor]):
     for op in graph.ops:
         if op.op not in LOWERINGS:
             raise UnsupportedOp(op)
-    from npumoe.core.interpreter import value_shapes
+    from npumoe.core.compiler.interpreter import value_shapes
 
     b = _Builder(weights, value_shapes(graph, weights))
     for op in graph.ops:

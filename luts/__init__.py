@@ -12,9 +12,12 @@ backends through :mod:`.mappings`. Modules, each with one job:
     emulated    another architecture's kernels under qemu-user (tests NEON on x86)
     torch_op    ``npumoe::lut_linear`` and the ``LutLinear`` module
     mappings    the same weight as Core ML / ONNX-QDQ quantisation parameters
-    checkpoint  model directories with packed routed experts (``npumoe.load`` reads them)
-    quantize    ``npumoe quantize``: a Hugging Face checkpoint → such a directory
-    bench       ``npumoe bench lut``
+    mxfp4       gpt-oss's E2M1 codes as luts codes
+    decode      the fused decode calls (a MoE block, an attention block, a whole step)
+    estimate    llvm-mca estimates of the NEON kernels' speed
+
+Checkpoints that hold these codes are read and written in :mod:`npumoe.models.checkpoints`; the
+benchmarks live in :mod:`npumoe.bench`.
 
 Nothing heavy is imported here: ``import npumoe.luts.spec`` stays numpy-only.
 """

@@ -7,7 +7,7 @@ file name carries a hash of the sources, flags and compiler version, so an upgra
 different compiler builds afresh, and the library is written under a temporary name and
 renamed, so concurrent first uses never load a half-written file; a cached library whose size or
 sha256 no longer matches what was built (a truncated cache) is compiled again rather than loaded
-(:func:`npumoe.core.native.cached_build`). The optional CPython call
+(:func:`npumoe.core.base.native.cached_build`). The optional CPython call
 module (``csrc/pycall.c``) is built the same way, against this Python's headers.
 """
 
@@ -24,9 +24,9 @@ import subprocess
 import sysconfig
 from pathlib import Path
 
-from npumoe.core.native import cache_dir as native_cache_dir
-from npumoe.core.native import cached_build
-from npumoe.errors import BackendUnavailableError
+from npumoe.core.base.errors import BackendUnavailableError
+from npumoe.core.base.native import cache_dir as native_cache_dir
+from npumoe.core.base.native import cached_build
 
 CSRC = Path(__file__).parent / "csrc"
 COMMON_SOURCES = ("api.c", "pool.c", "portable.c", "bf16.c", "bf16_dot.c", "decode.c")

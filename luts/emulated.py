@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from npumoe.errors import BackendUnavailableError
+from npumoe.core.base.errors import BackendUnavailableError
 from npumoe.luts import build
 from npumoe.luts.kernels import LutKernels
 

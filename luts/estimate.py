@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from npumoe.errors import BackendUnavailableError
+from npumoe.core.base.errors import BackendUnavailableError
 from npumoe.luts import build, layout, spec
 
 HARNESS = "mca_tile.c"

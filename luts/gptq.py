@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from npumoe.errors import WeightError
+from npumoe.core.base.errors import WeightError
 from npumoe.luts import spec
 
 ZERO_OFFSET = {"v1": 1, "v2": 0}

@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from npumoe.errors import BackendUnavailableError, InputError
+from npumoe.core.base.errors import BackendUnavailableError, InputError
 from npumoe.luts import build, spec
 from npumoe.luts.layout import ROWS, NativeWeight, TiledWeight
 

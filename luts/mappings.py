@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
 from npumoe.luts import spec
 
 

@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from npumoe.errors import WeightError
+from npumoe.core.base.errors import WeightError
 from npumoe.luts import spec
-from npumoe.models.stored_formats import FP4_VALUES, MX_BLOCK
 
+# FP4 E2M1: sign, 2 exponent bits, 1 mantissa bit; one E8M0 scale per block of MX_BLOCK values
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MX_BLOCK = 32
 BITS = 5
 ZERO = 2 ** (BITS - 1)
 CODES = (ZERO + 2 * np.asarray(FP4_VALUES)).astype(np.uint8)  # 5-bit code of each E2M1 nibble

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from npumoe.errors import InputError, WeightError
+from npumoe.core.base.errors import InputError, WeightError
 
 BITS = (1, 2, 3, 4, 5, 6, 8)
 GROUPS = (32, 64, 128)

@@ -18,9 +18,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
 from npumoe.luts import kernels, layout, spec
-
 
 GEMM_FROM = {"avx512": 4096, "avx2": 4096, "neon": 64, "portable": 64}  # rows × bits where the GEMM starts to win
 EXACT_GEMM_FROM = 64  # above 4 bits

@@ -2,7 +2,7 @@
 
 Most MoE families use the same Llama-style tensor names, so the table below covers them
 all (per-expert modules and stacked 3-D expert tensors alike); a family file mostly just
-turns its config into a :class:`~npumoe.core.spec.ModelSpec`.
+turns its config into a :class:`~npumoe.core.ir.spec.ModelSpec`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import re
 from collections.abc import Callable, Iterator
 
 import torch
-from npumoe.core.spec import AttentionSpec, ModelSpec, NormSpec, RopeSpec
 
-from npumoe.errors import UnsupportedModelError
+from npumoe.core.base.errors import UnsupportedModelError
+from npumoe.core.ir.spec import AttentionSpec, ModelSpec, NormSpec, RopeSpec
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
 Rule = tuple[re.Pattern, Callable[[re.Match, torch.Tensor], Tensors]]

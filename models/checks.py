@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from npumoe.core.spec import ModelSpec, MoESpec
-from npumoe.errors import UnsupportedModelError
+from npumoe.core.base.errors import UnsupportedModelError
+from npumoe.core.ir.spec import ModelSpec, MoESpec
 
 AT_LEAST_ONE = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size", "moe_intermediate_size", "num_experts_per_tok",

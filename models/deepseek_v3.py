@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from npumoe.core.rope import yarn_mscale
-from npumoe.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RopeSpec, RouterSpec
+from npumoe.core.ir.rope import yarn_mscale
+from npumoe.core.ir.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RopeSpec, RouterSpec
 from npumoe.models.base import Adapter, activation, model_spec, require, rms_norm, rope_spec
 
 # transformers' DeepseekV3Config defaults, for keys a config.json may leave out

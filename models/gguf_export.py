@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from npumoe.core.spec import MoESpec
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
+from npumoe.core.ir.spec import MoESpec
 
 ARCHITECTURES = {"qwen3_moe": "qwen3moe"}
 LAYER_NAMES = {"attn_norm.weight": "attn_norm.weight", "ffn_norm.weight": "ffn_norm.weight",

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from npumoe.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
+from npumoe.core.ir.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
 from npumoe.models.base import (
-    L, Adapter, gqa_attention, layer_windows, model_spec, rename, require, rms_norm, rules, stacked_experts,
+    Adapter,
+    L,
+    gqa_attention,
+    layer_windows,
+    model_spec,
+    rename,
+    require,
+    rms_norm,
+    rules,
+    stacked_experts,
 )
 
 # transformers' GptOssConfig defaults, for keys a config.json may leave out

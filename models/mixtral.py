@@ -7,7 +7,7 @@ transformers 5 holds them, stacked ``mlp.experts.gate_up_proj``; the common tabl
 
 from __future__ import annotations
 
-from npumoe.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
+from npumoe.core.ir.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
 from npumoe.models.base import Adapter, activation, gqa_attention, model_spec, require, rms_norm
 
 # transformers' MixtralConfig defaults, for keys a config.json may leave out

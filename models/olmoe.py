@@ -3,7 +3,7 @@ q, k and v; softmax top-k routing, optionally renormalised; every layer is MoE."
 
 from __future__ import annotations
 
-from npumoe.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
+from npumoe.core.ir.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
 from npumoe.models.base import Adapter, activation, gqa_attention, model_spec, require, rms_norm
 
 # transformers' OlmoeConfig defaults, for keys a config.json may leave out

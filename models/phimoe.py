@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from npumoe.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RopeSpec, RouterSpec
+from npumoe.core.base.errors import UnsupportedModelError
+from npumoe.core.ir.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, NormSpec, RopeSpec, RouterSpec
 from npumoe.models.base import Adapter, activation, gqa_attention, model_spec, require
-
-from npumoe.errors import UnsupportedModelError
 
 # transformers' PhimoeConfig defaults, for keys a config.json may leave out
 DEFAULTS = {

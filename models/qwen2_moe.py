@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from npumoe.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
+from npumoe.core.base.errors import UnsupportedModelError
+from npumoe.core.ir.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
 from npumoe.models.base import (
     Adapter,
     activation,
@@ -17,8 +18,6 @@ from npumoe.models.base import (
     require,
     rms_norm,
 )
-
-from npumoe.errors import UnsupportedModelError
 
 # transformers' Qwen2MoeConfig defaults, for keys a config.json may leave out
 DEFAULTS = {

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from npumoe.core.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
+from npumoe.core.ir.spec import LayerSpec, MLPSpec, ModelSpec, MoESpec, RouterSpec
 from npumoe.models.base import Adapter, activation, gqa_attention, is_sparse, model_spec, require, rms_norm
 
 

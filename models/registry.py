@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from npumoe.errors import UnsupportedModelError
+from npumoe.core.base.errors import UnsupportedModelError
 
 ADAPTERS = {
     "deepseek_v3": "npumoe.models.deepseek_v3:DeepseekV3Adapter",

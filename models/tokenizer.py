@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from npumoe.core.outputs import json_object
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
+from npumoe.core.base.outputs import json_object
 
 MARKER = "npumoe_tokenizer.json"  # {"kind": "bytes"}: token id = byte value
 

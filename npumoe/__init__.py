@@ -11,9 +11,22 @@
     profile.save(path); npumoe.RoutingProfile.load(path); p.save(path); npumoe.Plan.load(path)
 """
 
-from npumoe.core.calibrate import RoutingProfile, calibrate
-from npumoe.core.plan import Plan, plan
+from npumoe.core.base.errors import (
+    ArtifactError,
+    BackendUnavailableError,
+    InputError,
+    ModelDirError,
+    NpumoeError,
+    NumericError,
+    UnsupportedModelError,
+    WeightError,
+)
+from npumoe.core.planning.plan import Plan, plan
+from npumoe.core.planning.profile import RoutingProfile
+from npumoe.core.runtime.calibrate import calibrate
 from npumoe.core.runtime.engine import Engine
 from npumoe.models.loader import Model, load
 
-__all__ = ["Engine", "Model", "Plan", "RoutingProfile", "calibrate", "load", "plan"]
+__all__ = ["Engine", "Model", "Plan", "RoutingProfile", "calibrate", "load", "plan",
+           "NpumoeError", "ArtifactError", "BackendUnavailableError", "InputError", "ModelDirError", "NumericError",
+           "UnsupportedModelError", "WeightError"]

@@ -1,8 +1,9 @@
 """The `npumoe` command line.
 
-Subcommands live in :mod:`npumoe.commands`, one module each, and are imported only when invoked, so
-`npumoe --help` stays fast. A subcommand is registered here by its dotted path.
-Any :class:`npumoe.errors.NpumoeError` becomes one line on stderr and exit code 2.
+Subcommands live in :mod:`npumoe.commands` (benchmarks in :mod:`npumoe.bench`), one module each, and are
+imported only when invoked, so `npumoe --help` stays fast. A subcommand is registered here by its dotted path;
+an installed backend adds its own (``BackendPlugin.commands``: the HTP's ``hub``, the ANE's ``lint``).
+Any :class:`npumoe.core.base.errors.NpumoeError` becomes one line on stderr and exit code 2.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 
 import click
 
-from npumoe.errors import NpumoeError
+from npumoe.core.base.errors import NpumoeError
 
 
 class LazyGroup(click.Group):
@@ -32,6 +33,24 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, name)
 
 
+class MainGroup(LazyGroup):
+    """npumoe's own commands, then those the installed backends bring."""
+
+    def list_commands(self, ctx):
+        from npumoe.core.ir.backend import plugin_commands
+
+        return sorted(set(super().list_commands(ctx)) | set(plugin_commands()))
+
+    def get_command(self, ctx, name):
+        if name in self.lazy:
+            return super().get_command(ctx, name)
+        from npumoe.core.ir.backend import plugin_commands, plugin_object
+
+        if name in (added := plugin_commands()):
+            return plugin_object(*added[name])
+        return super().get_command(ctx, name)
+
+
 COMMANDS = {
     "inspect": "npumoe.commands.inspect:inspect_command",
     "generate": "npumoe.commands.generate:generate_command",
@@ -41,25 +60,23 @@ COMMANDS = {
     "build": "npumoe.commands.build:build_command",
     "compare": "npumoe.commands.compare:compare_command",
     "conformance": "npumoe.commands.conformance:conformance_command",
-    "hub": "npumoe.backends.qualcomm_htp.hub:hub_command",
-    "lint": "npumoe.backends.apple_ane.lint:lint_command",
     "quantize": "npumoe.commands.quantize:quantize_command",
     "bench": "npumoe.cli:bench",
 }
 
 BENCHMARKS = {
-    "runtime": "npumoe.commands.bench_runtime:bench_runtime_command",
-    "lut": "npumoe.commands.bench_lut:bench_lut_command",
-    "hvx": "npumoe.commands.bench_hvx:bench_hvx_command",
-    "neon": "npumoe.commands.bench_neon:bench_neon_command",
-    "scale": "npumoe.commands.bench_scale:bench_scale_command",
-    "decode": "npumoe.commands.bench_decode:bench_decode_command",
-    "cpu": "npumoe.commands.bench_cpu:bench_cpu_command",
-    "prefetch": "npumoe.commands.bench_prefetch:bench_prefetch_command",
+    "runtime": "npumoe.bench.runtime:bench_runtime_command",
+    "lut": "npumoe.bench.lut:bench_lut_command",
+    "hvx": "npumoe.bench.hvx:bench_hvx_command",
+    "neon": "npumoe.bench.neon:bench_neon_command",
+    "scale": "npumoe.bench.scale:bench_scale_command",
+    "decode": "npumoe.bench.decode:bench_decode_command",
+    "cpu": "npumoe.bench.cpu:bench_cpu_command",
+    "prefetch": "npumoe.bench.prefetch:bench_prefetch_command",
 }
 
 
-@click.group(cls=LazyGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=MainGroup, lazy=COMMANDS, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="npumoe")
 def cli():
     """npumoe: Mixture-of-Experts LLMs on phone and laptop NPUs.

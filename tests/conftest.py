@@ -21,7 +21,7 @@ def pytest_addoption(parser):
 
 def pytest_generate_tests(metafunc):
     if "conformance_target" in metafunc.fixturenames:
-        from npumoe.core.backend import plugins
+        from npumoe.core.ir.backend import plugins
 
         chosen = metafunc.config.getoption("backend") or list(plugins())
         metafunc.parametrize("conformance_target", chosen, scope="module")

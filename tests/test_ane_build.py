@@ -18,19 +18,17 @@ import pytest
 from npu_check import ids, row_cosines
 
 import npumoe
-from npumoe.backends.apple_ane import AneBackend
+from npumoe.backends.apple_ane.backend import AneBackend
 from npumoe.backends.apple_ane.lint import lint_package
 from npumoe.backends.apple_ane.mlpackage import SPEC_PATH, Package
 from npumoe.backends.apple_ane.rules import ANE_OPS
 from npumoe.cli import main
-from npumoe.core.artifacts import build
-from npumoe.core.backend import Lowered
-from npumoe.core.calibrate import calibrate
-from npumoe.core.plan import plan
-from npumoe.core.calibrate import default_calibration_texts
-from npumoe.core.program import build_program
-from npumoe.errors import BackendUnavailableError
-
+from npumoe.core.base.errors import BackendUnavailableError
+from npumoe.core.compiler.artifacts import build
+from npumoe.core.compiler.program import build_program
+from npumoe.core.ir.backend import Lowered
+from npumoe.core.planning.plan import plan
+from npumoe.core.runtime.calibrate import calibrate, default_calibration_texts
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("coremltools") is None,
                                 reason="coremltools is not installed (pip install 'npumoe[ane]')")
@@ -112,7 +110,8 @@ def test_int4_packages_run_exactly_the_quantized_model(model, ane_plan, int4):
     """Every NPU launch of a real int4 run against the reference executor on the same inputs, given the
     dequantized weights: only fp16 arithmetic may differ (end to end, a near-tie routing flip would hide it)."""
     import torch
-    from npumoe.core.interpreter import TorchGraphExecutor
+
+    from npumoe.core.compiler.interpreter import TorchGraphExecutor
 
     out, manifest = int4
     weights = ChainMap({n: torch.from_numpy(np.asarray(w, dtype=np.float32))

@@ -8,17 +8,18 @@ import pytest
 import torch
 from cli_check import cli_error
 from hf_compare import build_checkpoint, transformers
-from npumoe.backends.apple_ane import AneBackend, rules
-from npumoe.backends.apple_ane.lint import check, lint_package
-from npumoe.backends.apple_ane.mlpackage import SPEC_PATH, Package
-from npumoe.core.artifacts import build
-from npumoe.core.backend import Lowered
-from npumoe.core.calibrate import calibrate
-from npumoe.core.plan import plan
-from npumoe.core.program import build_program
 
 import npumoe
-from npumoe.errors import ArtifactError, BackendUnavailableError, InputError
+from npumoe.backends.apple_ane import rules
+from npumoe.backends.apple_ane.backend import AneBackend
+from npumoe.backends.apple_ane.lint import check, lint_package
+from npumoe.backends.apple_ane.mlpackage import SPEC_PATH, Package
+from npumoe.core.base.errors import ArtifactError, BackendUnavailableError, InputError
+from npumoe.core.compiler.artifacts import build
+from npumoe.core.compiler.program import build_program
+from npumoe.core.ir.backend import Lowered
+from npumoe.core.planning.plan import plan
+from npumoe.core.runtime.calibrate import calibrate
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("coremltools") is None,
                                 reason="coremltools is not installed (pip install 'npumoe[ane]')")

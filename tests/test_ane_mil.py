@@ -6,16 +6,18 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
+from hf_compare import build_checkpoint, transformers
 
 import npumoe
-from hf_compare import build_checkpoint, transformers
-from npumoe.backends.apple_ane import ANE_CAPS, AneBackend, rules
+from npumoe.backends.apple_ane import rules
+from npumoe.backends.apple_ane.backend import AneBackend
+from npumoe.backends.apple_ane.caps import ANE_CAPS
 from npumoe.backends.apple_ane.layout import LOWER
 from npumoe.backends.apple_ane.mil_exec import blockwise_shift_scale, lut_to_dense
 from npumoe.backends.apple_ane.mlpackage import SPEC_PATH, BlobFile, Package
 from npumoe.backends.apple_ane.passes import SLICED_Q_MIN_SEQ, SLICED_Q_SLICE
-from npumoe.core.interpreter import TorchGraphExecutor
-from npumoe.core.graphs import attention_graph
+from npumoe.core.compiler.graphs import attention_graph
+from npumoe.core.compiler.interpreter import TorchGraphExecutor
 from npumoe.core.runtime.kvcache import attention_mask
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("coremltools") is None,
@@ -121,7 +123,7 @@ def test_long_chunks_use_sliced_q_attention_and_match_the_reference(small, tmp_p
 
 def test_a_wide_lm_head_is_split_into_convs_and_matches_the_reference(small, tmp_path, monkeypatch):
     from npumoe.backends.apple_ane import layout
-    from npumoe.core.graphs import lm_head_graph
+    from npumoe.core.compiler.graphs import lm_head_graph
 
     monkeypatch.setattr(layout, "CONV_ROWS", 48)  # the demo vocab in 48-row kernels plus a remainder
     graph = lm_head_graph(small.spec, 8)
@@ -139,7 +141,7 @@ def test_an_lm_head_wider_than_the_channel_axis_leaves_in_parts(small, tmp_path,
     most that many channels (never the whole width on the device) and the executor joins them. Here the
     limit is lowered to 32 so the demo-sized vocabulary (64) needs two parts of two 16-row convs each."""
     from npumoe.backends.apple_ane import layout
-    from npumoe.core.graphs import lm_head_graph
+    from npumoe.core.compiler.graphs import lm_head_graph
 
     monkeypatch.setattr(layout, "CONV_ROWS", 16)
     monkeypatch.setattr(layout, "MAX_CHANNELS", 32)

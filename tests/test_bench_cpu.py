@@ -2,7 +2,7 @@
 
 from rich.console import Console
 
-from npumoe.commands.bench_cpu import GOALS, PREFILL_GOAL, Row, render
+from npumoe.bench.cpu import GOALS, PREFILL_GOAL, Row, render
 
 
 def test_each_ratio_is_judged_against_its_goal():

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import npumoe
-from npumoe.backends.cpu import CpuBackend
-from npumoe.core.artifacts import build, load_executors
-from npumoe.core.program import build_program
-from npumoe.core.weights import Weights
+from npumoe.backends.cpu.backend import CpuBackend
+from npumoe.core.compiler.artifacts import build, load_executors
+from npumoe.core.compiler.program import build_program
+from npumoe.core.ir.weights import Weights
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def test_weights_digest_reads_stored_bytes(model):
 def test_layers_builds_a_subset_that_says_it_cannot_run(model, cpu_plan, lowered, tmp_path, capsys):
     from cli_check import cli_error
 
-    from npumoe.errors import ArtifactError, InputError
+    from npumoe.core.base.errors import ArtifactError, InputError
 
     manifest = build(model, cpu_plan, "cpu", tmp_path / "one", progress=False, layers={1})
     assert (manifest["layers"] == [1] and manifest["graphs"]
@@ -130,7 +130,7 @@ def test_jobs_lower_in_worker_processes_to_the_same_artifacts(model, cpu_plan, l
 
 
 def test_a_failing_worker_stops_the_build_with_its_error(model, cpu_plan, lowered, tmp_path, monkeypatch):
-    from npumoe.errors import InputError
+    from npumoe.core.base.errors import InputError
 
     def refuses(self, graph, weights, out_dir):
         raise InputError(f"{graph.name} does not fit")
@@ -145,7 +145,7 @@ def test_a_worker_killed_midway_is_named_with_the_fix(model, cpu_plan, lowered, 
     import os
     import signal
 
-    from npumoe.errors import InputError
+    from npumoe.core.base.errors import InputError
 
     monkeypatch.setattr(CpuBackend, "lower", lambda self, graph, weights, out_dir: os.kill(os.getpid(), signal.SIGKILL))
     with pytest.raises(InputError, match="fewer --jobs"):  # as the OOM killer would

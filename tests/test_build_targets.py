@@ -4,10 +4,10 @@ import json
 
 import numpy as np
 import pytest
-
-import npumoe
 from cli_check import cli_error
 from npu_check import write_texts
+
+import npumoe
 from npumoe.cli import main
 
 pytest.importorskip("onnxruntime_qnn", reason="the htp target needs onnxruntime-qnn (pip install 'npumoe[htp]')")
@@ -64,7 +64,7 @@ def test_bad_target_lists_are_named_before_any_work(tmp_path, capsys, argv, mess
 
 # -- npumoe compare ----------------------------------------------------------------------------------
 def test_compare_json_gives_every_target_its_metrics_and_estimates(built, capsys):
-    from npumoe.core.costmodel import DEVICES
+    from npumoe.core.planning.costmodel import devices
 
     main(["compare", str(built), "--json"])
     result = json.loads(capsys.readouterr().out)
@@ -75,11 +75,11 @@ def test_compare_json_gives_every_target_its_metrics_and_estimates(built, capsys
             assert key in row, key
         assert row["cosine"] == manifest["targets"][target]["validation"]["cosine"]
         work = manifest["targets"][target]["workload"]
-        for device in (d for d in DEVICES if d.npu == target):  # the roofline by hand
+        for _, device in devices(target):  # the roofline by hand
             decode = 1 / (work["decode_weight_bytes"] / (device.dram_gb_s * 1e9)
                           + work["decode_launches"] * device.launch_us * 1e-6)
             assert row["estimated"][device.name]["decode_tok_s"] == pytest.approx(decode)
-    assert {c["device"] for c in result["cost_model_check"]} <= {d.name for d in DEVICES}
+    assert {c["device"] for c in result["cost_model_check"]} <= {d.name for _, d in devices()}
 
 
 def test_compare_html_renders_in_chromium_with_its_numbers(built, tmp_path, capsys):
@@ -125,13 +125,15 @@ def test_compare_refuses_what_is_no_multi_target_build(built, tmp_path, capsys):
 
 
 def test_cost_model_records_cite_every_number():
-    from npumoe.core.costmodel import DEVICES, PUBLISHED, Workload, estimate
+    from npumoe.core.ir.backend import plugins
+    from npumoe.core.planning.costmodel import Workload, devices, estimate
 
-    for device in DEVICES:
+    for _, device in devices():
         assert {k for k, _ in device.sources} == {"npu_tops", "dram_gb_s", "launch_us"}
         assert all(source.strip() for _, source in device.sources)
-    assert all(p.source and p.device in {d.name for d in DEVICES} for p in PUBLISHED)
+    for record in plugins().values():  # each figure checks a device of its own backend
+        assert all(p.source and p.device in {d.name for d in record.devices} for p in record.published)
     small, large = Workload(1e9, 10, 2e9, 64, 5e9, 20), Workload(2e9, 10, 4e9, 64, 10e9, 20)
-    for device in DEVICES:  # more bytes a token: slower, never faster
+    for _, device in devices():  # more bytes a token: slower, never faster
         assert estimate(device, large).decode_tok_s < estimate(device, small).decode_tok_s
         assert estimate(device, large).prefill_tok_s <= estimate(device, small).prefill_tok_s

@@ -4,14 +4,22 @@ import json
 
 import numpy as np
 import pytest
+from hf_compare import build_checkpoint, transformers
 
 import npumoe
-from hf_compare import build_checkpoint, transformers
 from npumoe.cli import main
-from npumoe.core.calibrate import RoutingProfile, calibrate, imbalance, overlap_at_k
-from npumoe.core.plan import (Plan, chosen_shapes, expected_overflow, expected_padding, optimal_shapes, plan,
-                              shape_costs)
-from npumoe.errors import ArtifactError, InputError
+from npumoe.core.base.errors import ArtifactError, InputError
+from npumoe.core.planning.plan import (
+    Plan,
+    chosen_shapes,
+    expected_overflow,
+    expected_padding,
+    optimal_shapes,
+    plan,
+    shape_costs,
+)
+from npumoe.core.planning.profile import RoutingProfile, imbalance, overlap_at_k
+from npumoe.core.runtime.calibrate import calibrate
 
 CFG = dict(vocab_size=256, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
            num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts_per_tok=2)
@@ -45,7 +53,7 @@ def test_profile_counts_every_routed_token(model, profile):
 
 
 def test_calibration_routes_without_the_lm_head_and_sees_what_a_full_forward_routes(model, monkeypatch):
-    from npumoe.core.calibrate import LoadRecorder
+    from npumoe.core.planning.profile import LoadRecorder
     from npumoe.core.runtime.engine import Engine
 
     ids = np.random.default_rng(1).integers(32, 127, 96)
@@ -126,8 +134,8 @@ def test_plan_with_capacity_tiers_still_loads(model, profile):
 
 
 def test_decode_graphs_hold_a_group_when_launches_cost_most_and_one_expert_when_bytes_do():
-    from npumoe.core.backend import Capabilities
-    from npumoe.core.plan import decode_graph_experts, graph_hit
+    from npumoe.core.ir.backend import Capabilities
+    from npumoe.core.planning.plan import decode_graph_experts, graph_hit
 
     hit = np.array([0.5, 0.4, 0.3, 0.3, 0.2, 0.15, 0.1, 0.05])  # sums to top_k = 2
     launch_bound = Capabilities("slow launches", frozenset(), dispatch_seconds=1e-3, weight_bytes_per_second=1e15)
@@ -179,10 +187,11 @@ def test_plan_for_another_model_is_refused(model, profile, tmp_path):
 def test_infeasible_plan_names_the_limit(model, profile, monkeypatch):
     from dataclasses import replace
 
-    from npumoe.core import backend
+    from npumoe.core.ir import backend
 
     tiny = replace(backend.capabilities("ane"), max_graph_bytes=100)
-    monkeypatch.setattr("npumoe.core.plan.capabilities", lambda t: tiny if t == "ane" else backend.capabilities(t))
+    monkeypatch.setattr("npumoe.core.planning.plan.capabilities",
+                        lambda t: tiny if t == "ane" else backend.capabilities(t))
     with pytest.raises(InputError, match="one expert needs .* GB but a ane graph may hold"):
         plan(model, profile, target="ane")
 
@@ -230,12 +239,12 @@ def test_graphs_a_target_cannot_take_go_to_the_cpu_with_the_reason(model, profil
     planned engine still computes the reference's logits."""
     from dataclasses import replace
 
-    from npumoe.core import backend
-    from npumoe.core.program import build_program
+    from npumoe.core.compiler.program import build_program
+    from npumoe.core.ir import backend
 
     htp = backend.plugin("htp")
     partial = replace(htp, caps=replace(htp.caps, ops=htp.caps.ops - {missing}))
-    monkeypatch.setattr("npumoe.core.plan.plugin", lambda t: partial if t == "htp" else backend.plugin(t))
+    monkeypatch.setattr("npumoe.core.planning.plan.plugin", lambda t: partial if t == "htp" else backend.plugin(t))
     p = plan(model, profile, target="htp", residency="npu")
     spec = model.spec
     assert p.cpu_graphs and all(reason == f"htp does not take the op {missing}" for reason in p.cpu_graphs.values())

@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from npumoe.backends.cpu import CpuBackend
-from npumoe.core import backend as registry
-from npumoe.core.conformance import run_conformance
-from npumoe.core.interpreter import TorchGraphExecutor
+from npumoe.backends.cpu.backend import CpuBackend
+from npumoe.core.compiler.interpreter import TorchGraphExecutor
+from npumoe.core.ir import backend as registry
+from npumoe.core.tools.conformance import run_conformance
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 
 import npumoe
 from npumoe.cli import main
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
 
 PROMPT = "def add(a, b):\n    return a + b\n"
 
@@ -87,7 +87,7 @@ def test_bench_decode_refuses_more_steps_than_the_cache_holds(capsys):
 
 
 def test_host_inside_layers_leaves_out_executors_and_the_steps_own_work():
-    from npumoe.commands.bench_decode import host_inside_layers
+    from npumoe.bench.decode import host_inside_layers
 
     spans = [("embed", 0, 1), ("rope_mask", 1, 2), ("executor", 3, 7), ("attention", 2, 8), ("residual", 9, 10),
              ("rope_mask", 10, 11), ("executor", 12, 13), ("rope_mask", 13, 14), ("residual", 14, 15),

@@ -41,7 +41,7 @@ def test_planned_engine_matches_the_reference(demo, profile, held, reference, ta
     m = eng.metrics
     assert m["dropped"] == 0 and m["npu_launches"] > 0
     assert m["routed"] == len(held) * 2 * demo.spec.num_layers  # top-2 in every layer
-    caps = npumoe.core.backend.capabilities(target)
+    caps = npumoe.core.ir.backend.capabilities(target)
     assert all(c % caps.alignment == 0 for lp in plan.layers.values() for g in lp.groups for s in g.shapes for c in s)
 
 

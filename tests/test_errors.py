@@ -10,7 +10,7 @@ from hf_compare import build_checkpoint, transformers
 from safetensors.torch import load_file, save_file
 
 import npumoe
-from npumoe.errors import InputError, ModelDirError, UnsupportedModelError, WeightError
+from npumoe.core.base.errors import InputError, ModelDirError, UnsupportedModelError, WeightError
 
 
 @pytest.fixture(scope="module")

@@ -40,5 +40,9 @@ def test_it_is_planned_within_its_claims_built_validated_and_run(work):
     assert entry["validation"]["cosine"] > 0.9999 and entry["validation"]["greedy_match"] == 16
     ran = npumoe("generate", "--artifacts", str(work / "out"), "--target", "toy", "-n", "4", cwd=work)
     assert ran.returncode == 0 and "4 new tokens" in ran.stderr, ran.stderr
+    compared = npumoe("compare", str(work / "out"), "--json", cwd=work)
+    assert compared.returncode == 0, compared.stderr
+    estimated = json.loads(compared.stdout)["targets"]["toy"]["estimated"]["Toy Chip 1"]  # from its own record
+    assert estimated["decode_tok_s"] > 0 and estimated["prefill_tok_s"] > 0
     checked = npumoe("conformance", "--target", "toy", "--json", cwd=work)
     assert checked.returncode == 0 and not json.loads(checked.stdout)["failed"], checked.stdout

@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from hf_compare import assert_matches, build_checkpoint, edit_config, transformers
 
 BASE = dict(

@@ -1,10 +1,10 @@
 """gpt-oss against transformers, over the config space gpt-oss checkpoints use."""
 
 import pytest
-
-from npumoe.errors import UnsupportedModelError
-from npumoe.models.gpt_oss import GptOssAdapter
 from hf_compare import assert_matches, build_checkpoint, edit_config, transformers
+
+from npumoe.core.base.errors import UnsupportedModelError
+from npumoe.models.gpt_oss import GptOssAdapter
 
 YARN = {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
         "truncate": False, "original_max_position_embeddings": 64}  # fmt: skip

@@ -1,9 +1,8 @@
 """Mixtral against transformers, over the config space Mixtral checkpoints use."""
 
 import pytest
-from safetensors import safe_open
-
 from hf_compare import assert_matches, build_checkpoint, edit_config, transformers
+from safetensors import safe_open
 
 BASE = dict(
     vocab_size=97, hidden_size=48, intermediate_size=24, num_hidden_layers=3, num_attention_heads=4,

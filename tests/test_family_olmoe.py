@@ -1,7 +1,6 @@
 """OLMoE against transformers, over the config space OLMoE checkpoints use."""
 
 import pytest
-
 from hf_compare import assert_matches, build_checkpoint, edit_config, transformers
 
 BASE = dict(

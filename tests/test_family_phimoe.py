@@ -2,11 +2,11 @@
 
 import numpy as np
 import pytest
+from hf_compare import assert_matches, build_checkpoint, edit_config, transformers
 
 import npumoe
-from npumoe.errors import InputError, UnsupportedModelError
+from npumoe.core.base.errors import InputError, UnsupportedModelError
 from npumoe.models.phimoe import PhimoeAdapter
-from hf_compare import assert_matches, build_checkpoint, edit_config, transformers
 
 # head_dim 12: six rotary frequencies, each with its own short and long factor
 LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0],

@@ -1,10 +1,10 @@
 """Qwen2-MoE (Qwen1.5-MoE) against transformers, over the config space its checkpoints use."""
 
 import pytest
-
-from npumoe.errors import UnsupportedModelError
-from npumoe.models.qwen2_moe import Qwen2MoeAdapter
 from hf_compare import assert_matches, build_checkpoint, edit_config, transformers
+
+from npumoe.core.base.errors import UnsupportedModelError
+from npumoe.models.qwen2_moe import Qwen2MoeAdapter
 
 BASE = dict(
     vocab_size=97, hidden_size=48, intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=32,

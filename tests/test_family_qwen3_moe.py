@@ -1,7 +1,6 @@
 """Qwen3-MoE against transformers, over the config space Qwen3-MoE checkpoints use."""
 
 import pytest
-
 from hf_compare import assert_matches, build_checkpoint, edit_config, transformers
 
 BASE = dict(

@@ -8,13 +8,14 @@ import functools
 import numpy as np
 import pytest
 import torch
+from hf_compare import build_checkpoint, transformers
 
 import npumoe
-from hf_compare import build_checkpoint, transformers
-from npumoe.core import interpreter
+from npumoe.core.compiler import interpreter
 from npumoe.core.runtime import engine as engine_module
 from npumoe.core.runtime import moe as moe_module
-from npumoe.luts import decode as fused, kernels, torch_op
+from npumoe.luts import decode as fused
+from npumoe.luts import kernels, torch_op
 
 SMALL = dict(vocab_size=97, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              num_experts_per_tok=2, max_position_embeddings=256, eos_token_id=96)
@@ -107,7 +108,7 @@ def test_fused_decode_of_packed_matrices_stays_within_the_luts_rounding(every_ke
     is the interpreter's bit for bit, but a last-place difference in a norm can move one 8-bit table entry of the
     next GEMV's activation by a step, so the logits agree as closely as the interpreter agrees with itself on an
     input moved by 1e-7."""
-    from npumoe.luts.quantize import quantize_checkpoint
+    from npumoe.models.checkpoints.quantize import quantize_checkpoint
 
     widths = dict(SMALL, hidden_size=64)  # every matrix's inputs a multiple of the 32-input group
     config = transformers.Qwen3MoeConfig(**widths, intermediate_size=64, moe_intermediate_size=32, head_dim=16,
@@ -151,8 +152,8 @@ def test_forms_the_fused_attention_does_not_cover_keep_the_interpreter(tmp_path)
 def test_softmax_routing_in_one_call_equals_route(experts, top_k, normalize, scaling):
     """The fused decode router picks route()'s experts in route()'s order, with its weights and logits to float
     rounding; a router it does not cover (a bias) is left to route()."""
+    from npumoe.core.ir.spec import RouterSpec
     from npumoe.core.runtime.router import route
-    from npumoe.core.spec import RouterSpec
 
     g = torch.Generator().manual_seed(experts)
     z, w = torch.randn(1, 256, generator=g), torch.randn(experts, 256, generator=g)
@@ -168,7 +169,7 @@ def test_softmax_routing_in_one_call_equals_route(experts, top_k, normalize, sca
 def test_a_non_finite_fused_step_reruns_layer_by_layer_and_names_the_layer(tmp_path):
     """A NaN reaching a decode token inside the whole-step call is not returned: the step runs again layer by layer
     (writing the same cache slots) and stops at the graph that produced it, as it would have without the call."""
-    from npumoe.errors import NumericError
+    from npumoe.core.base.errors import NumericError
 
     build_checkpoint(FAMILIES["mixtral"](), tmp_path)
     model = npumoe.load(tmp_path)

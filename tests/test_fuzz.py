@@ -26,11 +26,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import npumoe
-from npumoe.backends.cpu import CpuBackend
+from npumoe.backends.cpu.backend import CpuBackend
 from npumoe.cli import main
-from npumoe.core.artifacts import MANIFEST, build, load_executors
-from npumoe.core.program import build_program
-from npumoe.errors import NpumoeError
+from npumoe.core.base.errors import NpumoeError
+from npumoe.core.compiler.artifacts import MANIFEST, build, load_executors
+from npumoe.core.compiler.program import build_program
 
 # -- profiles ---------------------------------------------------------------------------------------
 settings.register_profile(

@@ -3,11 +3,10 @@ llama.cpp's names, and llama.cpp computes the logits npumoe does from it."""
 
 import numpy as np
 import pytest
-
 from hf_compare import build_checkpoint, transformers
 
 import npumoe
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
 from npumoe.models.gguf_export import write_gguf
 
 gguf = pytest.importorskip("gguf", reason="gguf is not installed (pip install 'npumoe[bench]')")
@@ -47,7 +46,7 @@ def test_gguf_holds_every_tensor_under_llama_cpp_names(exported):
 def test_llama_cpp_computes_npumoes_logits_from_it(exported):
     llama_cpp = pytest.importorskip("llama_cpp",
                                     reason="llama-cpp-python is not installed (pip install 'npumoe[bench]')")
-    from npumoe.core.native import native_output_silenced
+    from npumoe.core.base.native import native_output_silenced
 
     model, path = exported
     ids = np.random.default_rng(0).integers(3, 320, 24)

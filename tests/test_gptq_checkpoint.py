@@ -9,16 +9,17 @@ import re
 import numpy as np
 import pytest
 import torch
+from gptq_pack import pack_words
+from hf_compare import build_checkpoint, edit_config, transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 import npumoe
-from gptq_pack import pack_words
-from hf_compare import build_checkpoint, edit_config, transformers
 from npumoe.cli import main
-from npumoe.errors import InputError, UnsupportedModelError, WeightError
-from npumoe.luts import checkpoint, gptq
-from npumoe.luts.quantize import quantize_checkpoint
+from npumoe.core.base.errors import InputError, UnsupportedModelError, WeightError
+from npumoe.luts import gptq
+from npumoe.models.checkpoints import lut as checkpoint
+from npumoe.models.checkpoints.quantize import quantize_checkpoint
 
 ARCH = dict(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=64,
             shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,

@@ -27,15 +27,13 @@ if importlib.util.find_spec("executorch") is not None:
 from npu_check import ids, row_cosines
 
 import npumoe
-from npumoe.backends.qualcomm_htp import GRAPH_DIR
+from npumoe.backends.qualcomm_htp.backend import GRAPH_DIR
 from npumoe.backends.qualcomm_htp.qnn import session
 from npumoe.cli import main
-from npumoe.core.artifacts import build
-from npumoe.core.calibrate import calibrate
-from npumoe.core.plan import Plan, plan
-from npumoe.core.calibrate import default_calibration_texts
-from npumoe.errors import ArtifactError, InputError
-
+from npumoe.core.base.errors import ArtifactError, InputError
+from npumoe.core.compiler.artifacts import build
+from npumoe.core.planning.plan import Plan, plan
+from npumoe.core.runtime.calibrate import calibrate, default_calibration_texts
 
 PROMPTS = [
     b"def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1",
@@ -216,8 +214,9 @@ def cli(argv):
 def test_ai_hub_compile_jobs_take_each_graphs_static_onnx(fp16):
     """What `npumoe hub compile` submits, up to the network: every graph's checked, static-shape ONNX model."""
     import onnx
+
     from npumoe.backends.qualcomm_htp.hub import compile_requests
-    from npumoe.core.artifacts import read_manifest
+    from npumoe.core.compiler.artifacts import read_manifest
 
     out, manifest = fp16
     requests = compile_requests(read_manifest(out), out)
@@ -254,10 +253,11 @@ def test_executorch_attention_fp16_and_experts_16a8w(model, htp_plan, tmp_path):
     the reference executor on inputs recorded from the reference program."""
     pytest.importorskip("executorch", reason="executorch is not installed (pip install executorch==1.5.1)")
     import torch
-    from npumoe.core.interpreter import TorchGraphExecutor
+
     from npumoe.backends.qualcomm_htp.calibration import capture
     from npumoe.backends.qualcomm_htp.pte import PteExecutor, save_pte
     from npumoe.backends.qualcomm_htp.qnn import chipset
+    from npumoe.core.compiler.interpreter import TorchGraphExecutor
 
     program = npumoe.Engine(model, htp_plan, max_context=MAX_CONTEXT).program
     attention = program.layers[0].attention[CHUNK]

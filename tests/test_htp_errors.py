@@ -16,11 +16,12 @@ import torch
 pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed (pip install 'npumoe[htp]')")
 pytest.importorskip("onnx")
 
-from npumoe.core.backend import get_backend
 from npumoe.backends import onnx_export
-from npumoe.backends.qualcomm_htp import HtpBackend, qnn
-from npumoe.core.ir import Graph, GraphBuilder, Op, TensorType, w
-from npumoe.errors import BackendUnavailableError, InputError
+from npumoe.backends.qualcomm_htp import qnn
+from npumoe.backends.qualcomm_htp.backend import HtpBackend
+from npumoe.core.base.errors import BackendUnavailableError, InputError
+from npumoe.core.ir.backend import get_backend
+from npumoe.core.ir.graph import Graph, GraphBuilder, Op, TensorType, w
 
 
 def tiny_graph(act: str = "gelu") -> tuple[Graph, dict]:
@@ -99,8 +100,7 @@ def test_missing_onnxruntime_qnn_says_how_to_install(monkeypatch):
 
 def test_mask_floor_keeps_softmax_finite():
     from npumoe.backends.qualcomm_htp.executor import MASK_FLOOR, encode
-
-    from npumoe.core.ir import Graph, Role, TensorType
+    from npumoe.core.ir.graph import Graph, Role, TensorType
 
     graph = Graph("g", "attention", {"mask": TensorType((1, 2), role=Role.MASK), "x": TensorType((1, 2))}, {}, [])
     feed = encode(graph, {"mask": torch.tensor([[0.0, float("-inf")]]), "x": torch.tensor([[0.0, float("-inf")]])})
@@ -113,9 +113,9 @@ def test_executorch_after_onnxruntime_qnn_in_one_process_is_refused():
     pytest.importorskip("executorch", reason="executorch is not installed (pip install executorch==1.5.1)")
     script = (
         "import numpy as np, torch\n"
-        "from npumoe.backends.qualcomm_htp import HtpBackend\n"
+        "from npumoe.backends.qualcomm_htp.backend import HtpBackend\n"
         "from npumoe.backends.qualcomm_htp.shim import qnn_sdk_root\n"
-        "from npumoe.errors import BackendUnavailableError\n"
+        "from npumoe.core.base.errors import BackendUnavailableError\n"
         "from test_htp_errors import tiny_graph\n"
         "import tempfile, pathlib\n"
         "HtpBackend().lower(*tiny_graph(), pathlib.Path(tempfile.mkdtemp()))\n"
@@ -134,8 +134,8 @@ def test_qnn_library_notices_stay_off_stdout(tmp_path):
     output, where it would corrupt `--json` documents."""
     script = ("import sys, npumoe\n"
               "from pathlib import Path\n"
-              "from npumoe.core.graphs import experts_graph\n"
-              "from npumoe.backends.qualcomm_htp import HtpBackend\n"
+              "from npumoe.core.compiler.graphs import experts_graph\n"
+              "from npumoe.backends.qualcomm_htp.backend import HtpBackend\n"
               "m = npumoe.load()\n"
               "HtpBackend().lower(experts_graph(m.spec, 0, (0,), (8,), 'g'), m.weights, Path(sys.argv[1]))\n"
               "print('done')\n")

@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 
 import npumoe
 from npumoe.cli import main
-from npumoe.core import identity
-from npumoe.core.artifacts import build
-from npumoe.errors import ArtifactError, NumericError
+from npumoe.core.base.errors import ArtifactError, NumericError
+from npumoe.core.compiler.artifacts import build
+from npumoe.core.ir import identity
 
 IDS = np.random.default_rng(0).integers(0, 50, 200).tolist()
 
@@ -77,7 +77,7 @@ def test_fine_tune_shares_the_spec_but_not_the_weights(tiny, fine_tune):
 
 
 def test_base_profile_is_refused_for_the_fine_tune(base_outputs, fine_tune, capsys):
-    from npumoe.core.calibrate import RoutingProfile
+    from npumoe.core.planning.profile import RoutingProfile
 
     with pytest.raises(ArtifactError, match=r"other weights \(base, weights \w+\) than ft's .*calibrate ft first"):
         npumoe.plan(npumoe.load(fine_tune), RoutingProfile.load(base_outputs / "profile.json"), target="cpu")

@@ -6,8 +6,9 @@ import pytest
 pytest.importorskip("openvino", reason="the intel_npu target needs OpenVINO (pip install 'npumoe[intel]')")
 
 from cli_check import cli_error  # noqa: E402
-from npumoe.core.backend import get_backend  # noqa: E402
-from npumoe.errors import BackendUnavailableError  # noqa: E402
+
+from npumoe.core.base.errors import BackendUnavailableError  # noqa: E402
+from npumoe.core.ir.backend import get_backend  # noqa: E402
 
 
 def test_without_an_npu_it_runs_on_openvinos_cpu_device_and_says_so():

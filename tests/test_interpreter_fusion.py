@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import npumoe
-from npumoe.core.graphs import attention_graph
-from npumoe.core.interpreter import OP_IMPLS, TorchGraphExecutor, _sdpa_over_parts
+from npumoe.core.compiler.graphs import attention_graph
+from npumoe.core.compiler.interpreter import OP_IMPLS, TorchGraphExecutor, _sdpa_over_parts
 
 
 @pytest.mark.parametrize("heads, kv_heads, sinks", [(4, 4, False), (8, 2, False), (8, 2, True)])

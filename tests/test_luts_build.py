@@ -6,7 +6,7 @@ import json
 import pytest
 
 from npumoe.cli import main
-from npumoe.errors import BackendUnavailableError
+from npumoe.core.base.errors import BackendUnavailableError
 from npumoe.luts import build
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from npumoe.errors import BackendUnavailableError
+from npumoe.core.base.errors import BackendUnavailableError
 from npumoe.luts import estimate
 
 

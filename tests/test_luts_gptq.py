@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-
 from gptq_pack import pack_words
-from npumoe.errors import WeightError
+
+from npumoe.core.base.errors import WeightError
 from npumoe.luts import gptq, spec
 
 

@@ -5,7 +5,7 @@ and NEON under qemu-user (cross-compiled) when the tools are installed."""
 import numpy as np
 import pytest
 
-from npumoe.errors import BackendUnavailableError, InputError, WeightError
+from npumoe.core.base.errors import BackendUnavailableError, InputError, WeightError
 from npumoe.luts import emulated, kernels, layout, spec
 
 ISAS = ("portable", "avx2", "avx512", "neon")

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from npumoe.errors import WeightError
+from npumoe.core.base.errors import WeightError
 from npumoe.luts import layout, spec
 
 

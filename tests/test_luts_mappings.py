@@ -4,7 +4,7 @@ where the real tools are installed (coremltools, onnx, onnxruntime) they agree t
 import numpy as np
 import pytest
 
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
 from npumoe.luts import mappings, spec
 
 FORMATS = [(b, s) for b in spec.BITS for s in (False, True) if not (s and b == 1)]

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from npumoe.errors import InputError, WeightError
+from npumoe.core.base.errors import InputError, WeightError
 from npumoe.luts import spec
 
 FORMATS = [(b, s) for b in spec.BITS for s in (False, True) if not (s and b == 1)]

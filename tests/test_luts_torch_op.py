@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
 from npumoe.luts import spec, torch_op
 
 
@@ -102,7 +102,7 @@ def test_bf16_linear_takes_the_path_its_rows_call_for(rows, dot, monkeypatch):
     dot-product GEMM on bf16-rounded activations where the CPU has it (spec.bf16_dot_gemm is the truth), else
     the widening GEMM from its rows on SIMD builds, the GEMV up to its row limit and torch's fp32 GEMM on the
     widened weights past both (torch's F.linear on w.float() is the truth of these three)."""
-    from npumoe.core.interpreter import OP_IMPLS
+    from npumoe.core.compiler.interpreter import OP_IMPLS
     from npumoe.luts.torch_op import BF16_GEMV_MAX_ROWS, _kernels, bf16_linear
 
     if not dot:
@@ -231,7 +231,7 @@ def test_a_prompts_attention_splits_its_queries_across_the_held_threads():
     """Inside torch_on_one_thread a prompt's attention runs its query positions in parts, one a held thread (the
     first on the caller), with the same result as in one piece; a decode query, a short prompt and attention outside
     the block run whole on the caller."""
-    from npumoe.core.interpreter import OP_IMPLS, QUERIES_A_THREAD, _queries_on_held_threads
+    from npumoe.core.compiler.interpreter import OP_IMPLS, QUERIES_A_THREAD, _queries_on_held_threads
 
     before = torch.get_num_threads()
     torch.set_num_threads(3)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from npumoe.core.native import SIDECAR, cached_build, verified
+from npumoe.core.base.native import SIDECAR, cached_build, verified
 
 pytestmark = pytest.mark.skipif(not shutil.which("cc"), reason="needs a C compiler")
 

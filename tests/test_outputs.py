@@ -11,11 +11,11 @@ import pytest
 from cli_check import cli_error
 
 import npumoe
-from npumoe.core.artifacts import ARTIFACTS, MANIFEST, read_manifest
-from npumoe.core.calibrate import calibrate
-from npumoe.core.outputs import claim, staged_directory, staging_prefix
-from npumoe.core.plan import PLAN, plan
-from npumoe.errors import ArtifactError, InputError
+from npumoe.core.base.errors import ArtifactError, InputError
+from npumoe.core.base.outputs import claim, staged_directory, staging_prefix
+from npumoe.core.compiler.artifacts import ARTIFACTS, MANIFEST, read_manifest
+from npumoe.core.planning.plan import PLAN, plan
+from npumoe.core.runtime.calibrate import calibrate
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,14 @@ from safetensors.torch import save_file
 
 import npumoe
 from npumoe.cli import main
-from npumoe.core.weights import Weights, weight_shape
-from npumoe.errors import BackendUnavailableError, InputError, UnsupportedModelError, WeightError
-from npumoe.luts import checkpoint, kernels, spec, torch_op
-from npumoe.luts.quantize import quantize_checkpoint
+from npumoe.core.base.errors import BackendUnavailableError, InputError, UnsupportedModelError, WeightError
+from npumoe.core.ir.weights import Weights, weight_shape
+from npumoe.luts import kernels, spec, torch_op
 from npumoe.luts.torch_op import LutLinear
-from npumoe.models.loader import DEMO_DIR, read_tensors
+from npumoe.models.checkpoints import lut as checkpoint
+from npumoe.models.checkpoints.directory import read_tensors
+from npumoe.models.checkpoints.quantize import quantize_checkpoint
+from npumoe.models.loader import DEMO_DIR
 from npumoe.models.registry import adapter_for
 from npumoe.models.tokenizer import MARKER
 
@@ -120,7 +122,7 @@ def test_heldout_reports_the_perplexity_the_format_costs(source, tmp_path, capsy
     gives on the same tokens, the result's what the quantised model gives."""
     from hf_compare import transformers
 
-    from npumoe.core.validate import perplexity
+    from npumoe.core.tools.validate import perplexity
 
     text = "0123456789:;<=>?!#$%&()*+,-./" * 12  # byte tokens inside the tiny model's 64-token vocabulary
     (tmp_path / "heldout.txt").write_text(text)
@@ -303,7 +305,7 @@ def test_stacked_expert_checkpoints_quantise_the_same_matrices(tmp_path):
 def test_quantised_demo_model_generates_and_costs_at_most_one_percent_perplexity(tmp_path):
     """Issue 18's accuracy goal: every linear at 4 bits (the LM head at 8) costs ≤ 1 % of held-out perplexity,
     scored in windows of the demo's training length (256 tokens) on 4096 held-out tokens."""
-    from npumoe.core.validate import perplexity
+    from npumoe.core.tools.validate import perplexity
     from npumoe.models.demo.corpus import heldout_texts
 
     original = npumoe.load(DEMO_DIR)

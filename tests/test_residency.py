@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from hf_compare import build_checkpoint, transformers
 
 import npumoe
 from npumoe.core.runtime.metrics import Metrics
-from hf_compare import build_checkpoint, transformers
 from npumoe.core.runtime.predictor import RoutingPredictor, recall_at
 from npumoe.core.runtime.residency import ResidentExecutors
 

@@ -11,13 +11,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from npumoe.core.interpreter import TorchGraphExecutor
-from npumoe.core.graphs import experts_graph
-from npumoe.core.plan import OVERFLOW_POLICIES
-from npumoe.core.program import ExpertGroup, StaticShape
+from npumoe.core.compiler.graphs import experts_graph
+from npumoe.core.compiler.interpreter import TorchGraphExecutor
+from npumoe.core.compiler.program import ExpertGroup, StaticShape
+from npumoe.core.ir.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RopeSpec, RouterSpec
+from npumoe.core.planning.plan import OVERFLOW_POLICIES
 from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.moe import MoELayer
-from npumoe.core.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RopeSpec, RouterSpec
 
 H, I = 8, 6
 
@@ -195,8 +195,9 @@ def test_reroute_preserves_each_tokens_weight_sum():
 
 def tiny_qwen3(path):
     """Two layers of 6 experts (top-2), written by transformers and loaded."""
-    import npumoe
     from hf_compare import build_checkpoint, transformers
+
+    import npumoe
 
     cfg = transformers.Qwen3MoeConfig(
         vocab_size=64, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
@@ -210,8 +211,8 @@ def tiny_qwen3(path):
 def test_planned_engine_matches_reference_with_spill(tmp_path, chunk):
     """A whole model under a deliberately tight plan: logits equal the unplanned program."""
     import npumoe
-    from npumoe.core.calibrate import calibrate
-    from npumoe.core.plan import plan
+    from npumoe.core.planning.plan import plan
+    from npumoe.core.runtime.calibrate import calibrate
 
     model = tiny_qwen3(tmp_path)
     ids = np.random.default_rng(0).integers(0, 64, 40)
@@ -232,8 +233,8 @@ def test_decode_graphs_per_expert_read_only_the_hit_experts(tmp_path):
     import dataclasses
 
     import npumoe
-    from npumoe.core.calibrate import calibrate
-    from npumoe.core.plan import plan
+    from npumoe.core.planning.plan import plan
+    from npumoe.core.runtime.calibrate import calibrate
 
     model = tiny_qwen3(tmp_path)
     ids = np.random.default_rng(1).integers(0, 64, 12)
@@ -308,9 +309,9 @@ def test_packed_experts_side_by_side_equal_each_linear_called_alone(tmp_path, mo
     """A decode step's packed experts (npumoe quantize) run side by side, their LUT-GEMVs batched into one
     kernel call per step, give exactly what calling every linear on its own gives."""
     import npumoe
-    from npumoe.core import interpreter
-    from npumoe.luts.quantize import quantize_checkpoint
+    from npumoe.core.compiler import interpreter
     from npumoe.luts.torch_op import lut_linear_many
+    from npumoe.models.checkpoints.quantize import quantize_checkpoint
     from npumoe.models.loader import DEMO_DIR
 
     quantize_checkpoint(DEMO_DIR, tmp_path / "q", bits=4, group=64, linears="all")
@@ -341,7 +342,7 @@ def test_a_tokens_experts_fused_into_one_call_equal_the_interpreted_sum(stored, 
     to float rounding; packed ones to the LUT's own rounding (the down projection quantises its activation into
     8-bit tables, where a last-place difference in silu can move one table entry by a step)."""
     import npumoe
-    from npumoe.luts.quantize import quantize_checkpoint
+    from npumoe.models.checkpoints.quantize import quantize_checkpoint
     from npumoe.models.loader import DEMO_DIR
 
     if stored == "int4":

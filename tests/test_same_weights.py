@@ -10,15 +10,14 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from npu_check import write_texts
 
 import npumoe
 from npumoe.cli import main
 from npumoe.luts import layout, mappings, spec
-from npumoe.luts.checkpoint import npu_codes
-from npumoe.luts.quantize import quantize_checkpoint
 from npumoe.luts.torch_op import LutLinear
+from npumoe.models.checkpoints.lut import npu_codes
+from npumoe.models.checkpoints.quantize import quantize_checkpoint
 from npumoe.models.demo import corpus
 from npumoe.models.loader import DEMO_DIR
 
@@ -123,9 +122,9 @@ def test_every_target_holds_the_same_int4_experts(built, cpu_checkpoint):
 def test_ane_palettes_are_the_cpu_checkpoints_value_tables(precision, bits, tmp_path):
     """palettize4/2 hold the codes of npumoe quantize --bits 4|2 (group 64) as indices and each group's value
     table as its palette; a layer-0 build is enough to read them."""
-    from npumoe.core.artifacts import build
-    from npumoe.core.calibrate import calibrate
-    from npumoe.core.plan import plan
+    from npumoe.core.compiler.artifacts import build
+    from npumoe.core.planning.plan import plan
+    from npumoe.core.runtime.calibrate import calibrate
 
     model, fmt = npumoe.load(), mappings.NPU_PALETTES[bits]
     cpu = quantized_demo(tmp_path / "cpu", fmt)

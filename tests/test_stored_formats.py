@@ -17,10 +17,10 @@ from safetensors.torch import load_file, save_file
 
 import npumoe
 from npumoe.cli import main
-from npumoe.errors import WeightError
+from npumoe.core.base.errors import WeightError
 from npumoe.luts import layout, spec
 from npumoe.luts import mxfp4 as mx
-from npumoe.luts.checkpoint import quantized_names
+from npumoe.models.checkpoints.lut import quantized_names
 
 fp8_oracle = pytest.importorskip("transformers.integrations.finegrained_fp8")._dequantize_fp8_weight
 mxfp4_oracle = pytest.importorskip("transformers.integrations.mxfp4").convert_moe_packed_tensors
@@ -171,7 +171,7 @@ def test_mxfp4_codes_map_exactly_and_scales_outside_fp16_are_refused():
 
 
 def test_mxfp4_reads_only_the_expert_asked_for(mxfp4, monkeypatch):
-    from npumoe.models import stored_formats
+    from npumoe.models.checkpoints import stored_formats
 
     widened, packed = [], []
     original, pack = stored_formats.mxfp4_dequantize, mx.from_mxfp4
@@ -186,8 +186,8 @@ def test_mxfp4_reads_only_the_expert_asked_for(mxfp4, monkeypatch):
 
 
 def test_an_mxfp4_layout_other_than_whole_rows_is_refused(tmp_path):
-    from npumoe.errors import UnsupportedModelError
-    from npumoe.luts.mxfp4_checkpoint import stacked_rows
+    from npumoe.core.base.errors import UnsupportedModelError
+    from npumoe.models.checkpoints.mxfp4 import stacked_rows
 
     class ColumnsAdapter:  # takes the stack untransposed: each matrix a column of the row numbers
         def canonical(self, key, t):

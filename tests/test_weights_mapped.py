@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 
 import npumoe
 from npumoe.cli import main
-from npumoe.core.tensorfile import SafetensorsFile, SafetensorsWriter
-from npumoe.errors import WeightError
+from npumoe.core.base.errors import WeightError
+from npumoe.core.ir.tensorfile import SafetensorsFile, SafetensorsWriter
 
 CONFIG = dict(
     vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
@@ -206,7 +206,7 @@ def test_streaming_writer_round_trips_through_safetensors(tmp_path, room_for):
 def test_bench_scale_checkpoint_is_what_transformers_reads(tmp_path):
     """The benchmark's random checkpoint (a real config, shrunk here) is laid out as the Hub stores it:
     transformers loads it without a missing or unexpected key and computes npumoe's logits."""
-    from npumoe.commands.bench_scale import OLMOE_1B_7B_0924, write_random_checkpoint
+    from npumoe.bench.scale import OLMOE_1B_7B_0924, write_random_checkpoint
 
     small = dict(hidden_size=64, intermediate_size=32, num_experts=4, num_hidden_layers=2, vocab_size=300,
                  num_attention_heads=4, num_key_value_heads=4, num_experts_per_tok=2, eos_token_id=299)

@@ -5,7 +5,15 @@ No coremltools import needed: the planner reads this without the toolchain insta
 """
 
 from npumoe.backends.apple_ane import rules
-from npumoe.core.backend import BackendPlugin, BuildOption, Capabilities, Conformance
+from npumoe.core.ir.backend import (
+    UNPUBLISHED_LAUNCH,
+    BackendPlugin,
+    BuildOption,
+    Capabilities,
+    Conformance,
+    Device,
+    Published,
+)
 
 ANE_CAPS = Capabilities(
     name="ane",
@@ -23,11 +31,42 @@ ANE_CAPS = Capabilities(
     ),
 )
 
+DEVICES = (
+    Device("Apple M2", 15.8, 100.0, 200.0, (
+        ("npu_tops", "Apple newsroom, 'Apple unveils M2' (2022-06-06): Neural Engine 15.8 trillion ops/s"),
+        ("dram_gb_s", "Apple newsroom, 'Apple unveils M2' (2022-06-06): 100 GB/s unified memory bandwidth"),
+        ("launch_us", UNPUBLISHED_LAUNCH))),
+    Device("Apple M4", 38.0, 120.0, 200.0, (
+        ("npu_tops", "Apple newsroom, 'Apple introduces M4 chip' (2024-05-07): 38 trillion ops/s"),
+        ("dram_gb_s", "Apple newsroom, 'Apple introduces M4 chip' (2024-05-07): 120 GB/s"),
+        ("launch_us", UNPUBLISHED_LAUNCH))),
+    Device("Apple M4 Max", 38.0, 546.0, 200.0, (
+        ("npu_tops", "Apple newsroom, MacBook Pro with M4 family (2024-10-30): the M4 family's 38 TOPS Neural Engine"),
+        ("dram_gb_s", "Apple newsroom, MacBook Pro with M4 family (2024-10-30): M4 Max 546 GB/s"),
+        ("launch_us", UNPUBLISHED_LAUNCH))),
+    Device("Apple A17 Pro", 35.0, 51.2, 200.0, (
+        ("npu_tops", "Apple newsroom, iPhone 15 Pro (2023-09-12): Neural Engine up to 35 trillion ops/s"),
+        ("dram_gb_s", "third-party: LPDDR5-6400 x 64 bit (teardown reports); Apple does not publish it"),
+        ("launch_us", UNPUBLISHED_LAUNCH))),
+    Device("Apple A18", 35.0, 60.0, 200.0, (
+        ("npu_tops", "Apple newsroom, iPhone 16 (2024-09-09): 16-core Neural Engine, 35 trillion ops/s class"),
+        ("dram_gb_s", "third-party: LPDDR5X-7500 x 64 bit (teardown reports); Apple does not publish it"),
+        ("launch_us", UNPUBLISHED_LAUNCH))),
+)
+
+PUBLISHED = (
+    Published("Apple M4 Max", "ZAYA1-8B MoE on the ANE", "all 8 experts computed every step; fp16 weights (our "
+              "assumption: ~16 GB a token; at 4 bits the ratio would be 4x larger), 4 shards", 9.0, 16e9, 4,
+              "ANE MoE chapter (npumoe seeds, ane-moe-chapter.txt): 9 tok/s on M4 Max"),
+)
+
 PLUGIN = BackendPlugin(
-    name="ane", caps=ANE_CAPS, factory="npumoe.backends.apple_ane:AneBackend", extra="ane",
+    name="ane", caps=ANE_CAPS, factory="npumoe.backends.apple_ane.backend:AneBackend", extra="ane",
     summary="Apple Neural Engine through Core ML (or ExecuTorch); runs here in npumoe's MIL interpreter",
     # fp16 between ops: npumoe conformance measured at most 2.1e-3 relative error on the demo's graphs
     conformance=Conformance(min_cosine=0.9999, max_relative_error=5e-3),
+    devices=DEVICES, published=PUBLISHED,
+    commands={"lint": "npumoe.backends.apple_ane.lint:lint_command"},
     options=(
         BuildOption("via", "toolchain: coreml (default; .mlpackage) | executorch (.pte)"),
         BuildOption("precision", "fp16 (default) | int4 (blockwise; the HTP's and CPU's luts codes) | palettize4 | "

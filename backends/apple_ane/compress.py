@@ -7,7 +7,7 @@ shared FFNs and the LM head stay fp16: they are a small share of the bytes and t
 sensitive to 4-bit error (on a small random-weight Qwen3-MoE, int4 everywhere gave a logit
 cosine of 0.96, int4 experts alone 0.998). Only 1×1-conv (linear) weights are compressed.
 
-Codes, scales and palettes come from ``npumoe.luts`` (:func:`npumoe.luts.checkpoint.npu_codes`,
+Codes, scales and palettes come from ``npumoe.luts`` (:func:`npumoe.models.checkpoints.lut.npu_codes`,
 computed from the weights as stored, not from their fp16 rounding), so Core ML stores the values
 the CPU LUT kernels run and, at int4, the HTP's w4a16 holds: int4 is
 :data:`~npumoe.luts.mappings.NPU_INT4` as ``constexpr_blockwise_shift_scale``; palettize4/2 are
@@ -26,7 +26,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
 from npumoe.luts import mappings
 
 
@@ -115,7 +115,7 @@ def luts_arrays(module, weights, precision: str) -> dict[bytes, object]:
     """Each conv kernel of ``module`` (an AneGraphModule) as the luts arrays ``precision`` stores
     (:class:`~npumoe.luts.mappings.BlockwiseShiftScale` or :class:`~npumoe.luts.mappings.LutToDense`), keyed by
     its fp16 bytes' digest: coremltools' passes see only the fp16 constants, the codes come from the weights."""
-    from npumoe.luts.checkpoint import npu_codes
+    from npumoe.models.checkpoints.lut import npu_codes
 
     fmt, to_arrays = ((mappings.NPU_INT4, mappings.blockwise_shift_scale) if precision == "int4"
                       else (PALETTES[precision], mappings.lut_to_dense))

@@ -20,9 +20,9 @@ import torch
 from npumoe.backends.apple_ane.layout import from_ane, to_ane
 from npumoe.backends.apple_ane.mil_exec import MilFunction
 from npumoe.backends.apple_ane.mlpackage import NUMPY, Package
-from npumoe.core.backend import check_feed
-from npumoe.core.ir import Graph, Role
-from npumoe.errors import BackendUnavailableError
+from npumoe.core.base.errors import BackendUnavailableError
+from npumoe.core.ir.backend import check_feed
+from npumoe.core.ir.graph import Graph, Role
 
 
 def encode_inputs(artifact: dict, inputs: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:

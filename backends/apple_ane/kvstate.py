@@ -13,8 +13,7 @@ import math
 from dataclasses import dataclass
 
 from npumoe.backends.apple_ane.rules import MIN_STATE_DIM
-from npumoe.core.ir import Graph, Role
-
+from npumoe.core.ir.graph import Graph, Role
 
 
 def pow2_at_least(n: int, floor: int = 1) -> int:

@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from npumoe.backends.apple_ane.kvstate import KVState
 from npumoe.backends.apple_ane.rules import MAX_CHANNELS
-from npumoe.core.interpreter import value_shapes
-from npumoe.core.ir import WEIGHT_PREFIX, Graph, Op, Role, TensorType
+from npumoe.core.compiler.interpreter import value_shapes
+from npumoe.core.ir.graph import WEIGHT_PREFIX, Graph, Op, Role, TensorType
 
 # Output channels per 1×1 conv: a wider linear (an LM head) becomes several convs and a concat.
 # coremltools' fp16 overflow check takes ~40 bytes per weight of one const, so a 50k-row LM head

@@ -16,7 +16,7 @@ import numpy as np
 
 from npumoe.backends.apple_ane import rules
 from npumoe.backends.apple_ane.mlpackage import Package, tensor_spec
-from npumoe.errors import ArtifactError
+from npumoe.core.base.errors import ArtifactError
 
 PACKAGE_SCOPE = "(package)"  # the "function" of a violation that concerns the whole package
 COMPRESSION_NAMES = {"constexpr_blockwise_shift_scale": "int4 blocks", "constexpr_lut_to_dense": "palette"}

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from npumoe.backends.apple_ane.mlpackage import NUMPY, Package, tensor_spec
-from npumoe.errors import ArtifactError
+from npumoe.core.base.errors import ArtifactError
 
 VARIADIC = frozenset({"values"})  # params that take a list of values
 

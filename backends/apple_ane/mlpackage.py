@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from npumoe.errors import ArtifactError, BackendUnavailableError
+from npumoe.core.base.errors import ArtifactError, BackendUnavailableError
 
 SPEC_PATH = Path("Data/com.apple.CoreML/model.mlmodel")
 BLOB_SENTINEL = 0xDEADBEEF

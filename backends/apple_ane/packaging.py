@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from npumoe.backends.apple_ane.compress import precision_for, scheme
 from npumoe.backends.apple_ane.kvstate import KVState
 from npumoe.backends.apple_ane.rules import MAX_PACKAGE_BYTES
-from npumoe.core.ir import Graph
-from npumoe.core.weights import weight_shape
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
+from npumoe.core.ir.graph import Graph
+from npumoe.core.ir.weights import weight_shape
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 
 from npumoe.backends.apple_ane.compress import INT4_BLOCK
 from npumoe.backends.apple_ane.layout import AneGraphModule
-from npumoe.errors import BackendUnavailableError
+from npumoe.core.base.errors import BackendUnavailableError
 
 SKIPPED_PASSES = ("common::canonicalize_inplace_pattern", "common::prefer_state_in_downstream")
 

@@ -1,7 +1,7 @@
 """The CPU reference backend's registry record: any shape, every op, fp32 torch."""
 
-from npumoe.core.backend import BackendPlugin, Capabilities
-from npumoe.core.ir import OPS
+from npumoe.core.ir.backend import BackendPlugin, Capabilities
+from npumoe.core.ir.graph import OPS
 
 CPU_CAPS = Capabilities(
     name="cpu",
@@ -13,5 +13,5 @@ CPU_CAPS = Capabilities(
     notes=("reference executor: fp32 torch, any shape",),
 )
 
-PLUGIN = BackendPlugin(name="cpu", caps=CPU_CAPS, factory="npumoe.backends.cpu:CpuBackend",
+PLUGIN = BackendPlugin(name="cpu", caps=CPU_CAPS, factory="npumoe.backends.cpu.backend:CpuBackend",
                        summary="the reference interpreter on this CPU (any shape; runs unplanned graphs)")

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from npumoe.backends.qualcomm_htp.executor import encode
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
 
 DEFAULT_TOKENS = 256
 DECODE_STEPS = 16
@@ -26,7 +26,7 @@ PER_GRAPH = 16
 
 
 def default_text() -> str:
-    from npumoe.core.calibrate import default_calibration_texts
+    from npumoe.core.runtime.calibrate import default_calibration_texts
 
     return "".join(default_calibration_texts().values())
 

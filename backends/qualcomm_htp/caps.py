@@ -1,7 +1,15 @@
 """What the planner may assume about the Hexagon NPU (HTP). No toolchain import needed."""
 
-from npumoe.core.backend import BackendPlugin, BuildOption, Capabilities, Conformance
-from npumoe.core.ir import OPS
+from npumoe.core.ir.backend import (
+    UNPUBLISHED_LAUNCH,
+    BackendPlugin,
+    BuildOption,
+    Capabilities,
+    Conformance,
+    Device,
+    Published,
+)
+from npumoe.core.ir.graph import OPS
 
 HTP_CAPS = Capabilities(
     name="htp",
@@ -17,11 +25,37 @@ HTP_CAPS = Capabilities(
     ),
 )
 
+DEVICES = (
+    Device("Snapdragon 8 Gen 3", 45.0, 59.0, 300.0, (
+        ("npu_tops", "third-party listing, runlocalai.co/hardware/snapdragon-8-gen-3 (Qualcomm publishes only "
+                     "'98% faster than 8 Gen 2')"),
+        ("dram_gb_s", "T-MAN (arXiv 2025), Table 2: NPU DMA bandwidth measured on a OnePlus 12; LPDDR5X-4800 "
+                      "peaks at 76.8 GB/s"),
+        ("launch_us", UNPUBLISHED_LAUNCH))),
+    Device("Snapdragon 8 Elite", 65.0, 84.8, 300.0, (
+        ("npu_tops", "estimate: 8 Gen 3's figure x 1.45 (Qualcomm: Hexagon NPU '45% faster', Snapdragon 8 "
+                     "Elite product brief, qualcomm.com)"),
+        ("dram_gb_s", "LPDDR5X-5300 x 64 bit, Snapdragon 8 Elite product brief (qualcomm.com); peak, not measured"),
+        ("launch_us", UNPUBLISHED_LAUNCH))),
+)
+
+PUBLISHED = (
+    Published("Snapdragon 8 Gen 3", "T-MAN, BitNet-2B decode", "2.08 B ternary weights at 2 bits plus an 8-bit tied "
+              "128k x 2560 head (our assumption), one ExecuTorch program a token", 49.1, 0.85e9, 1,
+              "T-MAN (arXiv 2025), section 6: 49.1 tokens/s on BitNet-2B, Snapdragon 8 Gen 3 (npumoe seeds)"),
+    Published("Snapdragon 8 Gen 3", "Qualcomm: a 7B LLM decode", "Llama-2-7B at 4 bits (~3.4 GB a token, our "
+              "assumption), 4 context binaries", 20.0, 3.4e9, 4,
+              "Qualcomm at Snapdragon Summit 2023 ('up to 20 tokens/sec'), via fonearena.com"),
+)
+
 PLUGIN = BackendPlugin(
-    name="htp", caps=HTP_CAPS, factory="npumoe.backends.qualcomm_htp:HtpBackend", extra="htp",
+    name="htp", caps=HTP_CAPS, factory="npumoe.backends.qualcomm_htp.backend:HtpBackend", extra="htp",
     summary="Qualcomm Hexagon NPU through QNN (ONNX Runtime's QNN EP or ExecuTorch); runs here on QNN's x86_64 HTP",
     # fp16 between ops: npumoe conformance measured at most 2.1e-3 relative error on the demo's graphs
     conformance=Conformance(min_cosine=0.9999, max_relative_error=5e-3),
+    devices=DEVICES, published=PUBLISHED,
+    commands={"hub": "npumoe.backends.qualcomm_htp.hub:hub_command"},
+    trace="npumoe.backends.qualcomm_htp.trace:HtpTrace",
     options=(
         BuildOption("via", "toolchain: onnx (default; QNN context binaries) | executorch (.pte)"),
         BuildOption("precision", "fp16 (default) | w8a16 | w4a16 = int4 (QDQ weights, 16-bit activations; "

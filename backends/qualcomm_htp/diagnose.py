@@ -14,8 +14,8 @@ compile is found by bisection; its last node is the culprit.
 from __future__ import annotations
 
 from npumoe.backends.qualcomm_htp.qnn import session
-from npumoe.core.ir import Graph
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
+from npumoe.core.ir.graph import Graph
 
 
 def rejected_nodes(model: bytes, soc: str, fp16: bool) -> list[tuple[str, str]] | None:

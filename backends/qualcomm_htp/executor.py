@@ -14,8 +14,8 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from npumoe.core.backend import check_feed
-from npumoe.core.ir import Graph, Role
+from npumoe.core.ir.backend import check_feed
+from npumoe.core.ir.graph import Graph, Role
 
 MASK_FLOOR = -1e4
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import click
 
-from npumoe.core.artifacts import MANIFEST, read_manifest, sha256_file
-from npumoe.core.io import atomic_write_text
-from npumoe.errors import ArtifactError, BackendUnavailableError
+from npumoe.core.base.errors import ArtifactError, BackendUnavailableError
+from npumoe.core.base.io import atomic_write_text
+from npumoe.core.compiler.artifacts import MANIFEST, read_manifest, sha256_file
 
 COMPILE_OPTIONS = "--target_runtime qnn_context_binary --compute_unit npu"
 HUB_DIR = "hub"

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from npumoe.core.backend import check_feed
-from npumoe.core.interpreter import OP_IMPLS
-from npumoe.core.ir import WEIGHT_PREFIX, Graph
-from npumoe.errors import BackendUnavailableError, InputError
+from npumoe.core.base.errors import BackendUnavailableError, InputError
+from npumoe.core.compiler.interpreter import OP_IMPLS
+from npumoe.core.ir.backend import check_feed
+from npumoe.core.ir.graph import WEIGHT_PREFIX, Graph
 
 PRECISIONS = ("fp16", "w8a16")
 
@@ -105,6 +105,7 @@ class PteExecutor:
 
     def __init__(self, path: Path, graph: Graph):
         from executorch.runtime import Runtime
+
         from npumoe.backends.qualcomm_htp.executor import encode
 
         _executorch()

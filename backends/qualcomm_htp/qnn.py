@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from npumoe.core.native import native_output_silenced
-from npumoe.errors import BackendUnavailableError, InputError
+from npumoe.core.base.errors import BackendUnavailableError, InputError
+from npumoe.core.base.native import native_output_silenced
 
 # Snapdragon SoC model numbers QNN knows → (name, HTP architecture). From QNN's SoC table.
 SOCS = {

@@ -4,7 +4,7 @@ onnxruntime's QNN quantisation config inserts QuantizeLinear/DequantizeLinear pa
 QNN folds into fixed-point HTP ops. Activation ranges come from calibration feeds (MinMax).
 Linear weights ([in, out] MatMul initializers) are symmetric (QNN's int4 is wrong with non-zero
 zero points): w8a16 per output channel from onnxruntime's quantiser; w4a16's routed experts in
-blocks of 32 inputs with the codes and scales of :func:`npumoe.luts.checkpoint.npu_codes` in
+blocks of 32 inputs with the codes and scales of :func:`npumoe.models.checkpoints.lut.npu_codes` in
 :data:`npumoe.luts.mappings.NPU_INT4` (onnxruntime places the QDQ nodes, luts fills them): the
 values the ANE's int4 packages and the CPU LUT kernels hold. Other initializers (norm weights,
 constants) get 8 bits per tensor. :data:`SCHEMES` is also what the manifest records.
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
 
 SCHEMES = {
     "w8a16": {"activations": "uint16 per tensor (MinMax calibration)",
@@ -100,7 +100,7 @@ def _put_luts_codes(model, linear: dict[str, str], weights: Mapping[str, torch.T
 
     from npumoe.backends.onnx_export import TRANSPOSED
     from npumoe.luts import mappings
-    from npumoe.luts.checkpoint import npu_codes
+    from npumoe.models.checkpoints.lut import npu_codes
 
     producer = {out: node for node in model.graph.node for out in node.output}
     initializers = {i.name: i for i in model.graph.initializer}

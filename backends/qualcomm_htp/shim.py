@@ -18,8 +18,8 @@ import shutil
 from pathlib import Path
 
 from npumoe.backends.qualcomm_htp.qnn import ort_qnn
-from npumoe.core.native import cache_dir, compile_atomically, verified
-from npumoe.errors import BackendUnavailableError
+from npumoe.core.base.errors import BackendUnavailableError
+from npumoe.core.base.native import cache_dir, compile_atomically, verified
 
 SOURCE = Path(__file__).with_name("qnn_shim.c")
 LIB_SUBDIR = Path("lib") / "x86_64-linux-clang"

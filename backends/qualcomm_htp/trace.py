@@ -1,9 +1,7 @@
-"""``--trace``: one Chrome-trace timeline (chrome://tracing, Perfetto) of host work and the HTP's own profile.
+"""The HTP's profile in ``npumoe generate --trace`` (:mod:`npumoe.core.tools.trace` writes the timeline).
 
-Three synthetic threads, as in the QNN runtime notes this follows:
+Two synthetic threads beside the host's, as in the QNN runtime notes this follows:
 
-* ``Host``: the engine's timed host steps (embed, routing, gather, attention, …), from
-  :class:`~npumoe.core.runtime.metrics.Metrics` spans;
 * ``HTP graphs``: every graph launch, host-timed around ``session.run``, with the HTP's
   accelerator cycles and QNN execute time for that run in its args;
 * ``HTP ops``: each launch's per-node cycles (``profiling_level=detailed``) laid end to end
@@ -17,19 +15,11 @@ its *k*-th launch.
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from npumoe.core.io import atomic_write_text
-from npumoe.core.outputs import OutputKind, claim, json_object
-
 RUN_START = "Accelerator (execute) time (cycles)"
 RUN_END = "QNN (execute) time"
-THREADS = {"Host": 1, "HTP graphs": 2, "HTP ops": 3}
-KIND = "npumoe.Trace"  # in otherData, where trace viewers keep what they do not read
-TRACE = OutputKind("an npumoe trace", directory=False,
-                   recognise=lambda path: (json_object(path).get("otherData") or {}).get("kind") == KIND)
 
 
 @dataclass
@@ -74,36 +64,23 @@ def graph_cycles(engine) -> dict[str, dict]:
     return out
 
 
-def chrome_trace(engine) -> dict:
-    spans = engine.metrics_.spans or []
-    launches = [(ex, run, span) for ex in htp_executors(engine)
-                for run, span in zip(read_profile(ex.profile_csv) if Path(ex.profile_csv).exists() else [],
-                                     ex.launches)]
-    origin = min([s for _, s, _ in spans] + [span[0] for _, _, span in launches], default=0.0)
+class HtpTrace:
+    """The HTP's part of ``npumoe generate --trace`` (:class:`~npumoe.core.ir.backend.DeviceTrace`)."""
 
-    def us(t: float) -> float:
-        return round((t - origin) * 1e6, 3)
+    def backend_options(self, trace_path: Path) -> dict:
+        """QNN writes its per-session profile CSVs beside the trace, kept for QNN's own tools."""
+        return {"profile_dir": str(Path(trace_path).with_suffix("")) + "_htp_profile"}
 
-    events = [{"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": name}}
-              for name, tid in THREADS.items()]
-    events += [{"ph": "X", "name": op, "cat": "host", "pid": 1, "tid": THREADS["Host"],
-                "ts": us(a), "dur": us(b) - us(a)}
-               for op, a, b in spans]
-    for ex, run, (a, b) in launches:
-        events.append({"ph": "X", "name": ex.graph_name, "cat": "htp", "pid": 1, "tid": THREADS["HTP graphs"],
-                       "ts": us(a), "dur": us(b) - us(a),
-                       "args": {"accelerator_cycles": run.cycles, "qnn_execute_us": run.execute_us}})
-        total = sum(c for _, c in run.nodes) or 1
-        ts = us(a)
-        for node, cycles in run.nodes:
-            dur = (us(b) - us(a)) * cycles / total
-            events.append({"ph": "X", "name": node, "cat": "htp_op", "pid": 1, "tid": THREADS["HTP ops"],
-                           "ts": round(ts, 3), "dur": round(dur, 3),
-                           "args": {"cycles": cycles, "graph": ex.graph_name}})
-            ts += dur
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"kind": KIND, "htp_graph_cycles": graph_cycles(engine)}}
-
-
-def write_trace(path: str | Path, engine) -> Path:
-    return atomic_write_text(claim(path, TRACE, "--trace"), json.dumps(chrome_trace(engine)))
+    def spans(self, engine) -> tuple[list[tuple[str, str, str, float, float, dict]], dict]:
+        spans = []
+        for ex in htp_executors(engine):
+            runs = read_profile(ex.profile_csv) if Path(ex.profile_csv).exists() else []
+            for run, (a, b) in zip(runs, ex.launches):
+                spans.append(("HTP graphs", ex.graph_name, "htp", a, b,
+                              {"accelerator_cycles": run.cycles, "qnn_execute_us": run.execute_us}))
+                total, start = sum(c for _, c in run.nodes) or 1, a
+                for node, cycles in run.nodes:  # laid end to end inside the launch, widths by cycles
+                    end = start + (b - a) * cycles / total
+                    spans.append(("HTP ops", node, "htp_op", start, end, {"cycles": cycles, "graph": ex.graph_name}))
+                    start = end
+        return spans, {"htp_graph_cycles": graph_cycles(engine)}

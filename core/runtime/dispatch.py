@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from npumoe.core.program import ExpertGroup, StaticShape
+from npumoe.core.compiler.program import ExpertGroup, StaticShape
 
 
 @dataclass

@@ -11,26 +11,26 @@ import contextlib
 import functools
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from npumoe.core.graphs import experts_graph
-from npumoe.core.backend import Executor
-from npumoe.core.interpreter import TorchGraphExecutor
-from npumoe.core.program import Program, build_program
-from npumoe.core.rope import cos_sin, short_context
+from npumoe.core.base.errors import InputError, NumericError
+from npumoe.core.compiler.graphs import experts_graph
+from npumoe.core.compiler.interpreter import TorchGraphExecutor
+from npumoe.core.compiler.program import Program, build_program
+from npumoe.core.ir.backend import Executor
+from npumoe.core.ir.rope import cos_sin, short_context
+from npumoe.core.ir.spec import MoESpec
+from npumoe.core.ir.weights import compute_bytes
 from npumoe.core.runtime.allocator import keep_freed_blocks
 from npumoe.core.runtime.fused import attention_block
 from npumoe.core.runtime.kvcache import DecodeMasks, KVCache, attention_mask
 from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.moe import MoELayer
 from npumoe.core.runtime.residency import ResidentExecutors
-from npumoe.core.spec import MoESpec
-from npumoe.core.weights import compute_bytes
-from npumoe.errors import InputError, NumericError
 from npumoe.luts.decode import AttentionBlock, DecodeStep
 from npumoe.luts.torch_op import kernels_take_bf16_prompts, torch_on_one_thread
 
@@ -85,9 +85,8 @@ class Engine:
         self._previous_moe = dict(zip(moe_layers[1:], moe_layers))  # whose routing the predictor may read
         self.spec = model.spec
         if artifacts is not None:
-            from npumoe.core.artifacts import check_built_for, read_manifest
-            from npumoe.core.plan import Plan
-            from npumoe.core.targets import target_directory
+            from npumoe.core.compiler.artifacts import check_built_for, read_manifest, target_directory
+            from npumoe.core.planning.plan import Plan
 
             artifacts = target_directory(artifacts, backend)  # a multi-target build: this backend's part
             manifest = read_manifest(artifacts, verify=False)  # files are verified when loaded
@@ -132,8 +131,8 @@ class Engine:
         loaders = {g.name: functools.partial(TorchGraphExecutor, g, weights) for g in on_cpu}
         sizes = {g.name: compute_bytes(weights, g.weight_names()) for g in on_cpu}
         if npu := [g for g in graphs.values() if g.name not in loaders]:
-            from npumoe.core.artifacts import executor_loaders
-            from npumoe.core.backend import get_backend
+            from npumoe.core.compiler.artifacts import executor_loaders
+            from npumoe.core.ir.backend import get_backend
 
             npu_loaders, npu_sizes = executor_loaders(get_backend(backend, **self.backend_options), artifacts, npu,
                                                       weights, self.model)

@@ -9,8 +9,8 @@ keeps the interpreter's path.
 
 from __future__ import annotations
 
-from npumoe.core.spec import ModelSpec
-from npumoe.core.weights import layer
+from npumoe.core.ir.spec import ModelSpec
+from npumoe.core.ir.weights import layer
 from npumoe.luts.decode import AttentionBlock
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from npumoe.core.program import Program
-from npumoe.core.spec import AttentionSpec
+from npumoe.core.compiler.program import Program
+from npumoe.core.ir.spec import AttentionSpec
 
 MASKED = float("-inf")
 

@@ -30,11 +30,11 @@ from concurrent.futures import Executor as Worker
 
 import torch
 
-from npumoe.core.program import ExpertGroup
+from npumoe.core.compiler.program import ExpertGroup
+from npumoe.core.ir.spec import MoESpec
 from npumoe.core.runtime.dispatch import Dispatch, Layout, assign, combine, gather
 from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.router import all_scores, route
-from npumoe.core.spec import MoESpec
 from npumoe.luts.decode import MoEBlock, softmax_route
 
 _UNBUILT = object()  # a fused block not yet asked for

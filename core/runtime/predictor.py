@@ -15,8 +15,8 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-from npumoe.core.interpreter import OP_IMPLS
-from npumoe.core.spec import MoESpec, ModelSpec
+from npumoe.core.compiler.interpreter import OP_IMPLS
+from npumoe.core.ir.spec import ModelSpec, MoESpec
 
 
 def early_logits(spec: ModelSpec, weights, layer: int, x: torch.Tensor) -> torch.Tensor:

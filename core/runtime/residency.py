@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, MutableMapping
 
-from npumoe.core.backend import Executor
+from npumoe.core.ir.backend import Executor
 from npumoe.core.runtime.metrics import Metrics
 
 

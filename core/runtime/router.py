@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from npumoe.core.spec import RouterSpec
+from npumoe.core.ir.spec import RouterSpec
 
 
 def _group_limited(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:

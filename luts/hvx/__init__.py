@@ -7,7 +7,8 @@ harness that qemu-hexagon-static runs; the Python modules, each with one job:
     build   compile the harness, cached by a hash of the sources
     driver  run it under qemu: VLUT16 probes and whole GEMVs with every intermediate
     cost    instruction counts from the disassembly, and a cost model from T-MAN's figures
-    bench   ``npumoe bench hvx``
+
+``npumoe bench hvx`` (:mod:`npumoe.bench.hvx`) runs them.
 
 How the kernel becomes a QNN HTP op package is in README.md.
 """

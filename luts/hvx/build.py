@@ -15,8 +15,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from npumoe.errors import BackendUnavailableError
-from npumoe.core.native import cached_build
+from npumoe.core.base.errors import BackendUnavailableError
+from npumoe.core.base.native import cached_build
 from npumoe.luts.build import cache_dir
 
 SOURCE_DIR = Path(__file__).parent

@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from npumoe.errors import BackendUnavailableError
+from npumoe.core.base.errors import BackendUnavailableError
 
 OBJDUMP = "llvm-objdump-16"
 DISASSEMBLE = ("-d", "--no-show-raw-insn", "--mcpu=hexagonv73", "--mattr=+hvxv73,+hvx-length128b")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from npumoe.errors import BackendUnavailableError, InputError
+from npumoe.core.base.errors import BackendUnavailableError, InputError
 from npumoe.luts.hvx import build, layout
 
 QEMU = ("qemu-hexagon-static", "-cpu", "v67")

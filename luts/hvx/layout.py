@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from npumoe.errors import WeightError
+from npumoe.core.base.errors import WeightError
 from npumoe.luts import spec
 
 ROWS = 128

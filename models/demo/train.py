@@ -23,8 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from npumoe.models.demo import corpus
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from npumoe.models.demo import corpus
 
 HERE = Path(__file__).parent
 ARCH = dict(

@@ -17,12 +17,12 @@ from npumoe.commands.options import (
     target_option,
 )
 from npumoe.commands.plan import read_texts
-from npumoe.core.artifacts import build
-from npumoe.core.calibrate import default_calibration_texts
-from npumoe.core.outputs import claim
-from npumoe.core.plan import GRAPHS_PER_LAYER, RESIDENCY, Plan
-from npumoe.core.targets import TARGETS, build_targets
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
+from npumoe.core.base.outputs import claim
+from npumoe.core.compiler.artifacts import build
+from npumoe.core.planning.plan import GRAPHS_PER_LAYER, RESIDENCY, Plan
+from npumoe.core.runtime.calibrate import default_calibration_texts
+from npumoe.core.tools.targets import TARGETS, build_targets
 from npumoe.models.loader import load
 
 

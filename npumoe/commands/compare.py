@@ -8,8 +8,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from npumoe.core.compare import compare
-from npumoe.core.report import ACCURACY_COLUMNS, COLUMNS, cell
+from npumoe.core.tools.compare import compare
+from npumoe.core.tools.report import ACCURACY_COLUMNS, COLUMNS, cell
 
 
 @click.command("compare")
@@ -25,8 +25,8 @@ def compare_command(out, as_json, html_path):
       npumoe build --targets htp,ane --out build && npumoe compare build --html report.html
     """
     if html_path:
-        from npumoe.core.outputs import claim
-        from npumoe.core.report import REPORT
+        from npumoe.core.base.outputs import claim
+        from npumoe.core.tools.report import REPORT
 
         claim(html_path, REPORT, "--html")  # before reading anything: an unwritable path fails first
     result = compare(out)
@@ -35,7 +35,7 @@ def compare_command(out, as_json, html_path):
     else:
         render(result, Console())
     if html_path:
-        from npumoe.core.report import write_html
+        from npumoe.core.tools.report import write_html
 
         click.echo(f"wrote {write_html(result, out, html_path)}", err=as_json)
 
@@ -53,7 +53,7 @@ def render(result: dict, console: Console) -> None:
         for _, header, _, meaning in columns:
             console.print(f"[dim]{header}: {meaning}[/dim]")
     estimates = Table("target", "device", "decode tok/s", "prefill tok/s",
-                      title="ESTIMATED per device (npumoe's cost model, core/costmodel.py; not measured)")
+                      title="ESTIMATED per device (npumoe's cost model, core/planning/costmodel.py; not measured)")
     for target, row in rows.items():
         for device, e in row["estimated"].items():
             estimates.add_row(target, device, f"{e['decode_tok_s']:.1f}", f"{e['prefill_tok_s']:.0f}")

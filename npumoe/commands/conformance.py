@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from npumoe.commands.options import target_option
-from npumoe.core.conformance import run_conformance
+from npumoe.core.tools.conformance import run_conformance
 
 
 @click.command("conformance")

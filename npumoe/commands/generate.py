@@ -11,10 +11,10 @@ from rich.console import Console
 from rich.table import Table
 
 from npumoe.commands.options import dtype_option, model_option, target_option
-from npumoe.core.calibrate import LoadRecorder
-from npumoe.core.outputs import claim
+from npumoe.core.base.errors import InputError
+from npumoe.core.base.outputs import claim
+from npumoe.core.planning.profile import LoadRecorder
 from npumoe.core.runtime.engine import DEFAULT_CHUNK, Engine
-from npumoe.errors import InputError
 from npumoe.models.loader import load
 
 DEMO_PROMPT = "def fibonacci(n):\n    "
@@ -63,17 +63,19 @@ def generate_command(model_dir, dtype, prompt, ids, max_new_tokens, chunk, max_c
       npumoe generate --prompt "import os" -n 40
       npumoe generate --target htp --artifacts build/htp --trace trace.json
     """
-    from npumoe.core.plan import Plan
+    from npumoe.core.planning.plan import Plan
     from npumoe.core.runtime.predictor import RoutingPredictor
 
+    profiler = None
     if trace_path:
-        from npumoe.backends.qualcomm_htp.trace import TRACE
+        from npumoe.core.tools.trace import TRACE, device_trace
 
         claim(trace_path, TRACE, "--trace")
+        profiler = device_trace(target)
     model = load(model_dir, dtype=dtype)
     tokens = prompt_ids(model, prompt, ids)
     plan = Plan.load(plan_path) if plan_path else None
-    profile = {"profile_dir": trace_profile_dir(trace_path)} if trace_path and target == "htp" else None
+    profile = profiler.backend_options(Path(trace_path)) if profiler else None
     budget = {} if max_resident_mb is None else {"max_resident_bytes": int(max_resident_mb * 1e6),
                                                  "predictor": RoutingPredictor(model)}
     eng = Engine(model, plan=plan, backend=target, artifacts=artifacts, chunk=chunk, max_context=max_context,
@@ -98,14 +100,9 @@ def generate_command(model_dir, dtype, prompt, ids, max_new_tokens, chunk, max_c
                    f"found their graph loaded; the router one attention early named {m['predicted_hits']} of "
                    f"{m['routed_experts']} routed experts]", err=True)
     if trace_path:
-        from npumoe.backends.qualcomm_htp.trace import write_trace
+        from npumoe.core.tools.trace import write_trace
 
-        click.echo(f"wrote {write_trace(trace_path, eng)}", err=True)
-
-
-def trace_profile_dir(trace_path: str) -> str:
-    """Where the HTP's per-session profile CSVs go: beside the trace, kept for QNN's own tools."""
-    return str(Path(trace_path).with_suffix("")) + "_htp_profile"
+        click.echo(f"wrote {write_trace(trace_path, eng, profiler)}", err=True)
 
 
 def routing_table(spec, recorder: LoadRecorder) -> Table:
@@ -118,13 +115,15 @@ def routing_table(spec, recorder: LoadRecorder) -> Table:
     return table
 
 
-def plan_table(model, profile, targets=("cpu", "htp", "ane")) -> Table:
-    """One plan per target from the same profile: shapes, groups and what the planner predicts."""
-    from npumoe.core.plan import plan
+def plan_table(model, profile, targets=None) -> Table:
+    """One plan per target (default: every installed one) from the same profile: shapes, groups and what the
+    planner predicts."""
+    from npumoe.core.ir.backend import plugins
+    from npumoe.core.planning.plan import plan
 
     table = Table("target", "rows per shape (first MoE layer)", "groups", "on NPU", "padded %", "overflow %",
                   title=f"plans from one routing profile (chunk {profile.chunk}, overflow spill, residency auto)")
-    for target in targets:
+    for target in targets or plugins():
         p = plan(model, profile, target=target)
         first = p.layers[min(p.layers)]
         groups = [g for lp in p.layers.values() for g in lp.groups]
@@ -158,9 +157,9 @@ def demo_command(prompt, max_new_tokens, calibration_texts, out):
          artifacts (QNN's HTP emulator, the MIL interpreter) on held-out text, and print the
          cross-vendor comparison; --out gets the artifacts and report.html.
     """
-    from npumoe.core.calibrate import calibrate
-    from npumoe.core.plan import plan
-    from npumoe.core.targets import TARGETS
+    from npumoe.core.planning.plan import plan
+    from npumoe.core.runtime.calibrate import calibrate
+    from npumoe.core.tools.targets import TARGETS
     from npumoe.models.demo import corpus
 
     console = Console()
@@ -214,9 +213,9 @@ def demo_command(prompt, max_new_tokens, calibration_texts, out):
 def every_target(model, profile, held, out: str, console: Console) -> None:
     """Step 5: every installed NPU target from the one profile, run from its saved artifacts, compared."""
     from npumoe.commands.compare import render
-    from npumoe.core.compare import compare
-    from npumoe.core.report import write_html
-    from npumoe.core.targets import build_targets, installed_npu_targets
+    from npumoe.core.tools.compare import compare
+    from npumoe.core.tools.report import write_html
+    from npumoe.core.tools.targets import build_targets, installed_npu_targets
 
     targets, missing = installed_npu_targets()
     for name, why in missing.items():

@@ -7,11 +7,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from npumoe.core.spec import ModelSpec, MoESpec
-from npumoe.core.tensorfile import FLOAT_DTYPES
-from npumoe.core.weights import attention_shapes, expected_shapes, mlp_shapes
-from npumoe.models.loader import DEMO_DIR, is_gptq, load, open_checkpoint
-from npumoe.models.stored_formats import stored_format
+from npumoe.core.ir.spec import ModelSpec, MoESpec
+from npumoe.core.ir.tensorfile import FLOAT_DTYPES
+from npumoe.core.ir.weights import attention_shapes, expected_shapes, mlp_shapes
+from npumoe.models.checkpoints.directory import open_checkpoint
+from npumoe.models.checkpoints.stored_formats import stored_format
+from npumoe.models.loader import DEMO_DIR, is_gptq, load
 
 
 def _count(shapes: dict) -> int:

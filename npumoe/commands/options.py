@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from npumoe.core.backend import BuildOption, plugin, plugins
-from npumoe.core.weights import DTYPE_POLICIES
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
+from npumoe.core.ir.backend import BuildOption, plugin, plugins
+from npumoe.core.ir.weights import DTYPE_POLICIES
 from npumoe.models.loader import DEMO_DIR
 
 

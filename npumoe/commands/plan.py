@@ -7,12 +7,13 @@ from rich.console import Console
 from rich.table import Table
 
 from npumoe.commands.options import dtype_option, model_option, target_option
-from npumoe.core.backend import capabilities
-from npumoe.core.calibrate import PROFILE, RoutingProfile, calibrate, default_calibration_texts, overlap_at_k
-from npumoe.core.io import existing_file
-from npumoe.core.outputs import claim
-from npumoe.core.plan import GRAPHS_PER_LAYER, METHODS, OVERFLOW_POLICIES, PLAN, RESIDENCY, plan
-from npumoe.errors import InputError
+from npumoe.core.base.errors import InputError
+from npumoe.core.base.io import existing_file
+from npumoe.core.base.outputs import claim
+from npumoe.core.ir.backend import capabilities
+from npumoe.core.planning.plan import GRAPHS_PER_LAYER, METHODS, OVERFLOW_POLICIES, PLAN, RESIDENCY, plan
+from npumoe.core.planning.profile import PROFILE, RoutingProfile, overlap_at_k
+from npumoe.core.runtime.calibrate import calibrate, default_calibration_texts
 from npumoe.models.loader import load
 
 
@@ -61,14 +62,14 @@ def calibrate_command(model_dir, dtype, text_files, chunk, out, plot, compare):
     console.print(table)
     console.print(f"wrote {out}")
     if plot:
-        from npumoe.core.plots import profile_heatmap
+        from npumoe.core.tools.plots import profile_heatmap
 
         console.print(f"wrote {profile_heatmap(profile, plot)}")
 
 
 def claim_outputs(out: str, kind, plot: str | None) -> None:
     """Refuse an --out or --plot path that may not be written before the minutes of work that fill it."""
-    from npumoe.core.plots import FIGURE
+    from npumoe.core.tools.plots import FIGURE
 
     claim(out, kind)
     if plot:
@@ -137,6 +138,6 @@ def plan_command(model_dir, profile_path, target, overflow, residency, method, m
                   f"launches {t['decode_launches']:.1f} expert graphs a layer, reading {t['decode_weight_mb']:.1f} MB "
                   f"of expert weights (fp16); wrote {out}")
     if plot:
-        from npumoe.core.plots import plan_figure
+        from npumoe.core.tools.plots import plan_figure
 
         console.print(f"wrote {plan_figure(p, plot)}")

@@ -5,11 +5,11 @@ from __future__ import annotations
 import click
 
 from npumoe.commands.options import model_option
-from npumoe.core.io import existing_file
-from npumoe.errors import InputError
-from npumoe.luts.checkpoint import LINEARS
-from npumoe.luts.quantize import quantize_checkpoint
+from npumoe.core.base.errors import InputError
+from npumoe.core.base.io import existing_file
 from npumoe.luts.spec import BITS
+from npumoe.models.checkpoints.lut import LINEARS
+from npumoe.models.checkpoints.quantize import quantize_checkpoint
 
 HELDOUT_TOKENS = 2048  # enough for a perplexity that moves with the format, short enough for a 30 B model on a CPU
 HELDOUT_WINDOW = 256  # inside every model's trained context (the demo's is 256), as llama.cpp's perplexity windows
@@ -52,7 +52,7 @@ def quantize_command(model_dir, bits, group, symmetric, linears, head_bits, held
     kind = "symmetric" if info["symmetric"] else "asymmetric"
     click.echo(f"wrote {out_dir}: {info['weights']} at {bits} bits, group {group}, {kind}")
     if heldout is not None:
-        from npumoe.core.validate import perplexity
+        from npumoe.core.tools.validate import perplexity
         from npumoe.models.loader import load
 
         before, after = (perplexity(m, heldout, HELDOUT_WINDOW) for m in (source, load(out_dir)))
@@ -62,7 +62,7 @@ def quantize_command(model_dir, bits, group, symmetric, linears, head_bits, held
 
 def heldout_tokens(model_dir, heldout_file):
     """(the source model, the first tokens of the held-out text by its tokenizer)."""
-    from npumoe.core.validate import MIN_TOKENS
+    from npumoe.core.tools.validate import MIN_TOKENS
     from npumoe.models.loader import load
 
     text = existing_file(heldout_file, "held-out text (--heldout FILE)").read_text(encoding="utf-8", errors="replace")

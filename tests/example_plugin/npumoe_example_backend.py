@@ -3,11 +3,11 @@ registered only through the ``npumoe.backends`` entry point of this folder's dis
 pyproject does not name it). Its device claims every op but ``sdpa``, and its lowering enforces that
 claim, so attention must reach the CPU through the planner, never through a failed build."""
 
-from npumoe.backends.cpu import CpuBackend
-from npumoe.core.backend import BackendPlugin, Capabilities, Lowered
-from npumoe.core.interpreter import TorchGraphExecutor
-from npumoe.core.ir import OPS
-from npumoe.errors import InputError
+from npumoe.backends.cpu.backend import CpuBackend
+from npumoe.core.base.errors import InputError
+from npumoe.core.compiler.interpreter import TorchGraphExecutor
+from npumoe.core.ir.backend import BackendPlugin, Capabilities, Device, Lowered
+from npumoe.core.ir.graph import OPS
 
 TOY_CAPS = Capabilities(name="toy", ops=frozenset(OPS) - {"sdpa", "lut_linear"}, alignment=4,
                         dispatch_seconds=1e-4, flops_per_second=1e12, notes=("an example plugin",))
@@ -27,5 +27,9 @@ class ToyBackend(CpuBackend):
         return TorchGraphExecutor(graph, weights)
 
 
+TOY_CHIP = Device("Toy Chip 1", npu_tops=10.0, dram_gb_s=50.0, launch_us=100.0, sources=(
+    ("npu_tops", "made up for the example"), ("dram_gb_s", "made up for the example"),
+    ("launch_us", "made up for the example")))
+
 PLUGIN = BackendPlugin(name="toy", caps=TOY_CAPS, factory="npumoe_example_backend:ToyBackend",
-                       summary="an out-of-tree example backend (tests/example_plugin)")
+                       summary="an out-of-tree example backend (tests/example_plugin)", devices=(TOY_CHIP,))

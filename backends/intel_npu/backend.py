@@ -1,0 +1,114 @@
+"""Intel's NPU through OpenVINO: IR graph → standard ONNX (:mod:`npumoe.backends.onnx_export`) →
+OpenVINO IR (``.xml`` + ``.bin``, weights compressed to fp16, the NPU's compute precision) → a
+compiled model per graph, static shapes, the KV cache passed in as inputs like the HTP's.
+
+Written by following PORTING.md: a registry record (:mod:`.caps`), ``lower`` and ``load``; build, the
+build cache and ``--jobs`` come from :class:`~npumoe.backends.base.BackendBase`. OpenVINO's ``NPU``
+device needs the hardware and its driver; without one the same IR runs on OpenVINO's ``CPU`` device,
+which the manifest and every executor say.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from npumoe.backends.base import BackendBase
+from npumoe.backends.intel_npu.caps import INTEL_NPU_CAPS
+from npumoe.core.base.errors import ArtifactError, BackendUnavailableError, InputError
+from npumoe.core.ir.backend import Lowered, check_feed
+from npumoe.core.ir.graph import Role
+
+FORMAT = "openvino-ir"
+GRAPH_DIR = "graphs"
+DEVICES = ("NPU", "CPU", "AUTO")
+MASK_FLOOR = -1e4  # −inf does not survive fp16 arithmetic; exp(−10⁴) is 0 in every precision
+
+
+def openvino():
+    try:
+        import openvino as ov
+    except ImportError as err:
+        raise BackendUnavailableError(f"the Intel NPU backend needs OpenVINO ({err}); install it with pip install "
+                                      "'npumoe[intel]'.") from err
+    return ov
+
+
+class IntelNpuBackend(BackendBase):
+    name = "intel_npu"
+    caps = INTEL_NPU_CAPS
+
+    def __init__(self, device: str | None = None, **other):
+        if other:
+            raise InputError(f"--{next(iter(other)).replace('_', '-')} does not apply to intel_npu; its option is "
+                             "--device.")
+        available = openvino().Core().available_devices
+        self.device = device or ("NPU" if "NPU" in available else "CPU")
+        if self.device not in DEVICES:
+            raise InputError(f"--device {self.device!r} is not one of {', '.join(DEVICES)}.")
+        if self.device == "NPU" and "NPU" not in available:
+            raise BackendUnavailableError(f"OpenVINO lists no NPU here (devices: {', '.join(available)}); build with "
+                                          "--device CPU, or on a machine with an Intel NPU and its driver.")
+        self._core = None
+
+    def lower(self, graph, weights, out_dir: Path) -> dict:
+        from npumoe.backends.onnx_export import UnsupportedOp, to_onnx
+
+        ov = openvino()
+        try:
+            model = to_onnx(graph, weights)
+        except UnsupportedOp as err:
+            raise InputError(f"graph {graph.name} has IR op {err.op.op!r}, which the ONNX export cannot lower; "
+                             "place it on the CPU in the plan.") from None
+        rel = Path(GRAPH_DIR) / f"{graph.name}.xml"
+        (Path(out_dir) / GRAPH_DIR).mkdir(parents=True, exist_ok=True)
+        onnx_path = Path(out_dir) / rel.with_suffix(".onnx")  # OpenVINO converts from a file
+        onnx_path.write_bytes(model.SerializeToString())
+        try:
+            converted = ov.convert_model(str(onnx_path))
+        finally:
+            onnx_path.unlink()
+        ov.save_model(converted, Path(out_dir) / rel, compress_to_fp16=True)
+        return Lowered(FORMAT, (str(rel), str(rel.with_suffix(".bin"))),
+                       {"xml": str(rel), "device": self.device, "inputs": [i.get_any_name() for i in converted.inputs]})
+
+    def load(self, artifact: dict, out_dir: Path, graph, weights):
+        if artifact.format != FORMAT:
+            raise ArtifactError(f"{out_dir} was not built for intel_npu; "
+                                "build it with npumoe build --target intel_npu.")
+        if self._core is None:
+            self._core = openvino().Core()
+        # OpenVINO's CPU device would compute in bf16 where the CPU has it; the NPU computes in fp16, so stand-in
+        # runs keep f32 and differ from the reference only by the fp16 weights
+        config = {"INFERENCE_PRECISION_HINT": "f32"} if self.device == "CPU" else {}
+        compiled = self._core.compile_model(str(Path(out_dir) / artifact.info["xml"]), self.device, config)
+        return OpenVinoExecutor(compiled, graph, artifact.info["inputs"], self.device)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "device": self.device, "openvino": openvino().__version__,
+                "weights": "fp16 (compress_to_fp16)", "mask_floor": MASK_FLOOR}
+
+
+class OpenVinoExecutor:
+    """One compiled graph: IR tensors in, IR tensors out (masks floored at MASK_FLOOR)."""
+
+    keeps_state = False
+
+    def __init__(self, compiled, graph, inputs: list[str], device: str):
+        self.graph, self.inputs, self.device = graph, inputs, device
+        self.request = compiled.create_infer_request()
+        self.outputs = [o.get_any_name() for o in compiled.outputs]
+
+    def __call__(self, inputs):
+        check_feed(self.graph, inputs, keeps_state=False, static=True)
+        feed = {}
+        for name in self.inputs:
+            arr = inputs[name].detach().float().numpy()
+            feed[name] = np.maximum(arr, MASK_FLOOR) if self.graph.inputs[name].role == Role.MASK else arr
+        result = self.request.infer(feed)
+        return {name: torch.from_numpy(np.asarray(result[name], dtype=np.float32)) for name in self.outputs}
+
+
+__all__ = ["IntelNpuBackend", "INTEL_NPU_CAPS"]

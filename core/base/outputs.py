@@ -1,0 +1,144 @@
+"""Where a command may write: a new path, or an earlier npumoe output of the same kind, nothing else.
+
+Every command that writes a path (build, quantize, calibrate, plan, plots, traces) calls
+:func:`claim` before any work starts, so a mistyped ``--out`` never deletes the user's own files
+and an unwritable one fails in the first second instead of after minutes of work. Files are
+written to a temporary sibling and renamed; directories are produced in a staging sibling and
+swapped in when complete. Temporaries carry the writer's process id, so the next run that writes
+the same path removes what a killed run left behind, and never what a live one is writing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from npumoe.core.base.errors import InputError
+
+STAGING_TAG = "npumoe"
+
+
+@dataclass(frozen=True)
+class OutputKind:
+    """What a command writes: its name in messages, file or directory, and how an earlier one is recognised."""
+
+    name: str
+    directory: bool
+    recognise: Callable[[Path], bool]
+
+
+def json_object(path: Path) -> dict:
+    """The JSON object in ``path``, or {} when it is missing, unreadable or not an object: recognisers only
+    need to know whether a marker is there."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def json_kind(kind: str) -> Callable[[Path], bool]:
+    """A recogniser for JSON files whose top-level ``kind`` is ``kind`` (profiles, plans, manifests)."""
+    return lambda path: json_object(path).get("kind") == kind
+
+
+def claim(path: str | Path, kind: OutputKind, option: str = "--out") -> Path:
+    """Check before any work that ``path`` may be written as ``kind``: refuse anything that is not new or an
+    earlier output of the same kind, and any location that cannot be written; tidy a killed run's leftovers."""
+    path = Path(path)
+    remove_stale_staging(path)
+    _refuse_foreign(path, kind, option)
+    _check_writable(path, option)
+    return path
+
+
+def _refuse_foreign(path: Path, kind: OutputKind, option: str) -> None:
+    """Only an empty directory or an earlier output of the same kind may be replaced."""
+    if kind.directory and path.exists() and not path.is_dir():
+        raise InputError(f"{option} {path} is a file, and npumoe will not replace it with {kind.name}; give a "
+                         "directory path.")
+    if not kind.directory and path.is_dir():
+        raise InputError(f"{option} {path} is a directory; give a file path for {kind.name}.")
+    empty_dir = path.is_dir() and not any(path.iterdir())
+    if path.exists() and not empty_dir and not kind.recognise(path):
+        what = "holds files that are" if path.is_dir() else "exists and is"
+        raise InputError(f"{option} {path} {what} not {kind.name}, so npumoe will not replace it; choose a new "
+                         "path (or remove it yourself).")
+
+
+def _check_writable(path: Path, option: str) -> None:
+    """Create and remove a file where the output will go (its nearest existing ancestor): the only test that
+    sees read-only file systems, permissions and full disks alike."""
+    ancestor = path.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise InputError(f"{option} {path} cannot be created: {ancestor} is a file, not a directory.")
+    try:
+        fd, probe = tempfile.mkstemp(dir=ancestor, prefix=staging_prefix(path), suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        raise InputError(f"{option} {path} cannot be written ({err.strerror} in {ancestor}); choose a writable "
+                         "location.") from None
+
+
+def staging_prefix(path: Path) -> str:
+    """Name prefix of this process's temporaries beside ``path``: hidden, and tagged with the pid that owns them."""
+    return f".{Path(path).name}.{STAGING_TAG}-{os.getpid()}-"
+
+
+def remove_stale_staging(path: Path) -> None:
+    """Delete temporaries beside ``path`` whose writing process is gone (a killed or crashed run)."""
+    parent, head = path.parent, f".{path.name}.{STAGING_TAG}-"
+    if not parent.is_dir():
+        return
+    for leftover in parent.iterdir():
+        pid = leftover.name[len(head):].split("-", 1)[0] if leftover.name.startswith(head) else ""
+        if pid.isdigit() and not _alive(int(pid)):
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        pass
+    return True
+
+
+@contextmanager
+def staged_directory(path: str | Path) -> Iterator[Path]:
+    """A fresh directory beside ``path`` to write into; it replaces ``path`` when the block completes and is
+    removed if the block fails, so ``path`` is never half-written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=staging_prefix(path)))
+    try:
+        yield staging
+        _swap_in(staging, path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _swap_in(new: Path, dest: Path) -> None:
+    """Rename ``new`` to ``dest``; an earlier ``dest`` is moved aside first and deleted only afterwards."""
+    if not dest.exists():
+        new.rename(dest)
+        return
+    old = dest.with_name(staging_prefix(dest) + "old")
+    dest.rename(old)
+    new.rename(dest)
+    shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,2 @@
+"""The vocabulary every layer shares: ModelSpec, the graph IR, weights and tensor files, identity, the backend
+contract."""

@@ -1,0 +1,62 @@
+"""Calibration: run the reference engine over text and record how its experts are really used.
+
+The engine prefills calibration text in chunks of B tokens exactly as at run time; a
+:class:`~npumoe.core.planning.profile.LoadRecorder` keeps, per MoE layer, the token count of every
+expert in every full chunk: a :class:`~npumoe.core.planning.profile.RoutingProfile`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from npumoe.core.base.errors import InputError
+from npumoe.core.planning.profile import LoadRecorder, RoutingProfile
+from npumoe.core.runtime.engine import Engine
+
+
+def calibrate(model, texts, chunk: int = 256, window: int = 2048, progress: bool = False,
+              sources: list[str] | None = None) -> RoutingProfile:
+    """Prefill calibration text with the reference engine; record per-chunk expert loads.
+
+    Texts are cut into windows of up to ``window`` tokens (a multiple of the chunk), each
+    prefilled from an empty cache in chunks exactly as at run time, so routing sees the same
+    context it will see in deployment. Only full chunks count: a partial chunk has fewer
+    tokens and would bias capacities low.
+    """
+    spec = model.spec
+    if not spec.moe_layers:
+        raise InputError(f"{model.name} has no MoE layers; there is nothing to calibrate.")
+    token_lists = [model.tokenizer.encode(t) if isinstance(t, str) else list(t) for t in texts]
+    if not any(len(t) >= chunk for t in token_lists):
+        longest = max((len(t) for t in token_lists), default=0)
+        raise InputError(
+            f"calibration text is too short: the longest text has {longest} tokens, but at least one full "
+            f"chunk of {chunk} tokens is needed; give more text or a smaller --chunk."
+        )
+    window = max(chunk, min(window, spec.max_position) // chunk * chunk)
+    windows = [t[s:s + window] for t in token_lists for s in range(0, len(t), window) if len(t) - s >= chunk]
+    recorder = LoadRecorder(spec)
+    engine = Engine(model, chunk=chunk, max_context=window, on_route=recorder)
+    iterator = windows
+    if progress:
+        from rich.progress import track
+
+        iterator = track(windows, description=f"calibrating ({len(windows)} windows, chunk {chunk})")
+    for piece in iterator:
+        engine.route(np.asarray(piece[: len(piece) // chunk * chunk]))
+    return RoutingProfile(
+        model=spec.fingerprint(),
+        model_name=model.name,
+        chunk=chunk,
+        top_k={i: spec.layers[i].ffn.top_k for i in spec.moe_layers},
+        loads={i: recorder.matrix(i, tokens=chunk) for i in spec.moe_layers},
+        sources=list(sources or []),
+        weights=model.weights_fingerprint(),
+    )
+
+
+def default_calibration_texts() -> dict[str, str]:
+    """Python's own documentation topics: always on disk, so calibration needs no download."""
+    import pydoc_data.topics
+
+    return {f"pydoc_data.topics:{k}": v for k, v in sorted(pydoc_data.topics.topics.items())}

@@ -1,0 +1,68 @@
+"""The cross-vendor comparison of a multi-target build (``npumoe build --targets``), as one record.
+
+Everything is read from the build directory, so a comparison needs neither the model nor a toolchain:
+the top-level manifest holds each target's validation and workload, each target's own manifest its
+graphs and their sizes, and :mod:`npumoe.core.planning.costmodel` turns workloads into per-device estimates.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from npumoe.core.base.errors import ArtifactError, InputError
+from npumoe.core.compiler.artifacts import MANIFEST, read_manifest, read_targets, target_directory
+from npumoe.core.planning.costmodel import Workload, check_published, devices, estimate
+from npumoe.core.planning.plan import Plan
+
+
+def compare(out_dir) -> dict:
+    """``{"model", "targets": {target: row}, "devices", "cost_model_check"}``; each row holds at least cosine,
+    top1_agreement, greedy_match, padded_pct, spilled_pct, dropped_pct, npu_launches_per_chunk,
+    artifact_bytes and ``estimated`` (device → prefill_tok_s, decode_tok_s)."""
+    out_dir = Path(out_dir)
+    if not (out_dir / MANIFEST).is_file():
+        raise InputError(f"{out_dir} holds no manifest.json; compare takes the --out of npumoe build --targets.")
+    manifest = read_targets(out_dir)
+    if manifest is None:
+        raise InputError(f"{out_dir} is a single target's build; compare takes the --out of npumoe build --targets "
+                         "htp,ane (several targets from one model).")
+    rows = {}
+    for target, entry in manifest["targets"].items():
+        rows[target] = _row(out_dir, manifest, target, entry)
+    return {"model": manifest["model_name"], "heldout_tokens": manifest["heldout_tokens"], "targets": rows,
+            "devices": [{"name": d.name, "npu": target, "npu_tops": d.npu_tops, "dram_gb_s": d.dram_gb_s,
+                         "launch_us": d.launch_us, "sources": dict(d.sources)} for target, d in devices()],
+            "cost_model_check": check_published()}
+
+
+def _row(out_dir: Path, manifest: dict, target: str, entry: dict) -> dict:
+    directory = target_directory(out_dir, target)
+    if not (directory / MANIFEST).is_file():
+        raise InputError(f"{directory} has no manifest.json, so {target} cannot be compared; rebuild with npumoe "
+                         "build --targets.")
+    built = read_manifest(directory, verify=False)
+    if (built["model"], built.get("weights")) != (manifest["model"], manifest.get("weights")):
+        raise InputError(f"{directory} holds artifacts of {built.get('model_name')}, not of {manifest['model_name']} "
+                         "like the rest of this build: a comparison needs one model; rebuild with npumoe build "
+                         "--targets.")
+    try:
+        work = Workload(**entry["workload"])
+        validation = dict(entry["validation"])
+    except (KeyError, TypeError) as err:
+        raise ArtifactError(f"{out_dir / MANIFEST} lacks {target}'s validation or workload ({err}); the manifest "
+                            "was altered, rebuild with npumoe build --targets.") from None
+    graphs = built["graphs"]
+    layers = Plan.from_json(built["plan"], f"{directory / MANIFEST}'s plan").layers
+    return {
+        **validation,
+        "graphs": len(graphs),
+        "graph_bytes": {name: g["bytes"] for name, g in graphs.items()},
+        "artifact_bytes": sum(g["bytes"] for g in graphs.values()),
+        "npu_launches_per_decode": work.decode_launches,
+        "decode_weight_bytes": work.decode_weight_bytes,
+        "groups": {str(layer): [{"experts": len(g.experts), "rows": [sum(s) for s in g.shapes],
+                                 "residency": g.residency} for g in lp.groups] for layer, lp in layers.items()},
+        "cpu_graphs": entry.get("cpu_graphs", {}),
+        "estimated": {d.name: {"decode_tok_s": e.decode_tok_s, "prefill_tok_s": e.prefill_tok_s}
+                      for _, d in devices(target) for e in [estimate(d, work)]},
+    }

@@ -1,0 +1,102 @@
+"""`npumoe quantize`: a Hugging Face checkpoint → an npumoe-quantised one (:mod:`.checkpoint`).
+
+Routed-expert matrices, most of an MoE's bytes and the ones cold experts stream from
+memory, are quantised round-to-nearest per group; everything else is copied unchanged.
+The checkpoint is written into a staging directory beside ``--out`` that replaces it only when
+complete, so an interrupted run leaves nothing half-written; ``--out`` must be new, empty or an
+earlier npumoe-quantised checkpoint (:mod:`npumoe.core.base.outputs`).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from rich.progress import MofNCompleteColumn, Progress
+
+from npumoe.core.base.errors import InputError
+from npumoe.core.base.outputs import OutputKind, claim, json_object, staged_directory
+from npumoe.core.ir.tensorfile import SafetensorsWriter
+from npumoe.core.ir.weights import Weights
+from npumoe.luts import spec
+from npumoe.models.checkpoints import lut as checkpoint
+from npumoe.models.checkpoints.directory import PICKLE_SUFFIXES, canonical_sources, open_checkpoint
+from npumoe.models.checkpoints.stored_formats import stored_format, views
+from npumoe.models.loader import config_spec, is_gptq, read_config
+
+QUANTIZED_CHECKPOINT = OutputKind("an npumoe-quantised checkpoint", directory=True,
+                                  recognise=lambda path: checkpoint.SECTION in json_object(path / "config.json"))
+
+
+def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int, symmetric: bool = False,
+                        progress: bool = False, linears: str = "experts", head_bits: int | None = None) -> dict:
+    """Write the quantised checkpoint of ``src`` to ``out``; returns its config section. ``linears`` is
+    "experts" (the routed experts) or "all" (:func:`checkpoint.quantized_names`); ``head_bits`` the LM head's
+    bits when it is packed (default ``bits``)."""
+    src, out = Path(src), Path(out)
+    cfg = read_config(src)
+    if checkpoint.SECTION in cfg:
+        raise InputError(f"{src} is already quantised by npumoe; quantise the original checkpoint instead.")
+    if is_gptq(cfg):
+        raise InputError(f"{src} is a GPTQ export, which npumoe loads as it is (routed experts run packed on the LUT "
+                         "kernels); quantise the original checkpoint instead to choose other bits.")
+    stored_format(cfg)  # FP8 and MXFP4 sources are widened tensor by tensor; other quantisations refused
+    adapter, model_spec = config_spec(cfg, str(src / "config.json"))
+    if linears not in checkpoint.LINEARS:
+        raise InputError(f"--linears {linears!r} is not one of {', '.join(checkpoint.LINEARS)}.")
+    spec.check_format(bits, group, symmetric=symmetric)
+    if head_bits is not None:
+        spec.check_format(head_bits, group, symmetric=symmetric)
+    if out.resolve() == src.resolve():
+        raise InputError(f"--out {out} is the source directory; write the quantised checkpoint somewhere else.")
+    claim(out, QUANTIZED_CHECKPOINT)
+    sources = canonical_sources(views(open_checkpoint(src), cfg), adapter)
+    weights = Weights(sources, model_spec, source=str(src))  # refuse an incomplete or misshaped source, unread
+    names = set(checkpoint.quantized_names(model_spec, linears))
+    if not names:
+        raise InputError(f"{src} has no routed experts to quantise; npumoe quantize is for MoE checkpoints.")
+    for name in sorted(names):
+        k = weights.source(name).shape[1]
+        if k % group:
+            raise InputError(f"{name} has K = {k} inputs, not a multiple of the group size {group}; pick a group "
+                             f"size that divides {k}.")
+    info = checkpoint.section(bits, group, symmetric, linears, head_bits if checkpoint.HEAD in names else None)
+    bits_of = {name: head_bits if name == checkpoint.HEAD and head_bits is not None else bits for name in names}
+    plain = {k: v for k, v in cfg.items() if k != "quantization_config"}  # the source's format is gone
+    with staged_directory(out) as staging:
+        _write_weights(staging / checkpoint.WEIGHTS_FILE, weights, bits_of, group, symmetric, progress)
+        for file in src.iterdir():
+            if file.is_file() and file.name != "config.json" and not _is_weights(file):
+                shutil.copyfile(file, staging / file.name)
+        (staging / "config.json").write_text(json.dumps(plain | {checkpoint.SECTION: info}, indent=2))
+    return info
+
+
+def _write_weights(path: Path, weights: Weights, packed: dict[str, int], group: int, symmetric: bool,
+                   progress: bool) -> None:
+    """Stream tensor by tensor from the mapped source into the output file: memory holds one matrix."""
+    writer = SafetensorsWriter(path, tensors=len(weights) * len(checkpoint.PARTS))  # at most: every one packed
+    meta = {}
+    try:
+        with Progress(*Progress.get_default_columns(), MofNCompleteColumn(), disable=not progress,
+                      transient=True) as bar:
+            for name in bar.track(list(weights), description=f"quantising {len(packed)} matrices"):
+                stored = weights.source(name).read()
+                if name not in packed:
+                    writer.add(name, stored)
+                    continue
+                p = spec.quantize_pack(stored.float().numpy(), packed[name], group, symmetric)
+                for part in checkpoint.PARTS:
+                    writer.add(f"{name}.{part}", torch.from_numpy(getattr(p, part)))
+                meta[name] = asdict(p.meta)
+        writer.finish({checkpoint.METADATA_KEY: json.dumps(meta, sort_keys=True)})
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _is_weights(file: Path) -> bool:
+    return file.name.endswith((".safetensors", ".safetensors.index.json")) or file.suffix in PICKLE_SUFFIXES

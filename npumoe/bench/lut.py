@@ -1,0 +1,67 @@
+"""`npumoe bench lut`: the LUT kernels against streaming bandwidth and fp32 (measured by
+:mod:`npumoe.bench.lut_measure`)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import click
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from npumoe.bench.lut_measure import FORMATS, PREFILL_ROWS, run
+from npumoe.luts import spec
+from npumoe.luts.kernels import default_threads
+
+
+def render(result: dict, console: Console) -> None:
+    n, k = result["shape"]
+    decode = Table(title=f"Decode: LUT-GEMV {n}×{k}, group {result['group']}, {result['kernel']} "
+                         "(weights rotated through DRAM)")
+    for col in ("threads", "format", "ms", "GB/s", "read GB/s", "of BW", "× fp32", "× dequant+fp32"):
+        decode.add_column(col, justify="right")
+    prefill = Table(title=f"Prefill: {PREFILL_ROWS} rows, the path npumoe::lut_linear takes")
+    for col in ("threads", "format", "path", "ms", "fp32 ms", "× fp32"):
+        prefill.add_column(col, justify="right")
+    for threads, row in result["threads"].items():
+        for name in FORMATS:
+            r = row[name]
+            decode.add_row(threads, name, f"{r['ms']:.3f}", f"{r['gbs']:.1f}", f"{r['stream_gbs']:.1f}",
+                           f"{r['bw_ratio']:.2f}", f"{r['speedup_vs_fp32']:.1f}", f"{r['speedup_vs_dequant']:.1f}")
+            prefill.add_row(threads, name, r["prefill_path"], f"{r['prefill_ms']:.1f}", f"{row['fp32_gemm_ms']:.1f}",
+                            f"{r['prefill_vs_fp32']:.2f}")
+    console.print(decode)
+    console.print(prefill)
+    for threads, row in result["threads"].items():
+        console.print(f"threads={threads}: peak streaming read {row['stream_peak_gbs']:.1f} GB/s, fp32 GEMV "
+                      f"{row['fp32_gemv_ms']:.2f} ms")
+    console.print("goals: ≥ 0.90 of BW (int4, int2); ≥ 6.5× (int4) and ≥ 10× (int2) fp32 GEMV; prefill ≥ 1× fp32")
+    console.print(f"load average {result['load_before'][0]:.2f} before, {result['load_after'][0]:.2f} after, "
+                  f"on {os.cpu_count()} CPUs (other work on the machine lowers every figure)")
+
+
+@click.command("lut")
+@click.option("--size", default=4096, show_default=True, type=click.IntRange(32), help="N = K of the weight.")
+@click.option("--group", default=64, show_default=True, type=click.Choice(["32", "64", "128"]),
+              callback=lambda c, p, v: int(v))
+@click.option("--repeats", default=20, show_default=True, type=click.IntRange(3),
+              help="Calls per measurement (×copies for GEMV).")
+@click.option("--kernel", default=None,
+              help="Force a kernel (avx512, avx2, neon, portable); default: the best this CPU runs.")
+@click.option("--rotate-mb", default=160, show_default=True, type=click.IntRange(1),
+              help="Weights rotate through this much memory (keep it above the last-level cache).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+def bench_lut_command(size, group, repeats, kernel, rotate_mb, as_json):
+    """LUT-GEMV / LUT-dequant GEMM vs streaming bandwidth and fp32 (4096², group 64, int4 and int2)."""
+    spec.check_group(group, size)
+    console = Console(stderr=as_json)
+    steps = len({1, default_threads()}) * (1 + len(FORMATS))
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("benchmarking", total=steps)
+        result = run(size, size, group, repeats, kernel, rotate_mb * 2**20, lambda: progress.advance(task))
+    if as_json:
+        click.echo(json.dumps(result, indent=1))
+    else:
+        render(result, console)

@@ -48,7 +48,7 @@ def decode(model, mode: str, monkeypatch, steps: int = 12):
             patch.setattr(engine_module.Engine, "_decode_step", lambda self: None)
         if mode == "interpreter":
             patch.setattr(engine_module, "attention_block", lambda *args: None)
-            patch.setattr(moe_module.MoEBlock, "of", lambda *args: None)
+            patch.setattr(fused.MoEBlock, "of", lambda *args: None)
             patch.setattr(moe_module, "softmax_route", lambda *args: None)
             patch.setattr(interpreter.TorchGraphExecutor, "combine_many", staticmethod(lambda *args: None))
         engine = npumoe.Engine(model, chunk=8)

@@ -17,6 +17,7 @@ from npumoe.core.compiler.program import ExpertGroup, StaticShape
 from npumoe.core.ir.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RopeSpec, RouterSpec
 from npumoe.core.planning.plan import OVERFLOW_POLICIES
 from npumoe.core.runtime.metrics import Metrics
+from npumoe.core.runtime.cpu_experts import CpuExperts
 from npumoe.core.runtime.moe import MoELayer
 
 H, I = 8, 6
@@ -75,7 +76,7 @@ def run(scenario, overflow, device=None, chunks=0):
     graphs = {s.graph: TorchGraphExecutor(experts_graph(spec, 0, g.experts, s.capacities, s.graph), w)
               for g in groups for s in g.shapes}
     cpu = {e: TorchGraphExecutor(experts_graph(spec, 0, (e,), (1,), f"e{e}"), w) for e in range(experts)}
-    layer = MoELayer(0, moe, w, groups, cpu, overflow, device)
+    layer = MoELayer(0, moe, w, groups, CpuExperts(cpu), overflow, device)
     z = torch.randn(seq, H, generator=torch.Generator().manual_seed(seed + 1))
     attn_out = torch.randn(seq, H, generator=torch.Generator().manual_seed(seed + 2))
     seen = {}
@@ -184,7 +185,7 @@ def test_reroute_preserves_each_tokens_weight_sum():
     groups = [ExpertGroup("g0", (0, 1), (StaticShape("g0", (1, 1)),))]
     graphs = {"g0": TorchGraphExecutor(experts_graph(spec, 0, (0, 1), (1, 1), "g0"), w)}
     cpu = {e: TorchGraphExecutor(experts_graph(spec, 0, (e,), (1,), f"e{e}"), w) for e in range(2)}
-    layer = MoELayer(0, moe, w, groups, cpu, "reroute")
+    layer = MoELayer(0, moe, w, groups, CpuExperts(cpu), "reroute")
     z = torch.ones(2, H)  # both prefer expert 0
     m = Metrics()
     y = layer(z, z, 2, lambda name, x: graphs[name](x), m)

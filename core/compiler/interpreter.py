@@ -52,9 +52,7 @@ QUERIES_A_THREAD = 8  # query positions, at least, a thread's share of a split p
 def _queries_on_held_threads(mask_at: int) -> Callable[[Callable], Callable]:
     """A prompt's attention split by query positions across the threads torch_on_one_thread holds, a part a thread
     (torch_op.on_held_threads): the positions are independent, so the result is the same, and no OpenMP worker is
-    left spinning on the next kernel's core, as after torch's own threaded ops. bf16 Qwen3 widths, 2 threads, against
-    giving the attention torch's threads back only when it was long: 256-token prefill AVX2 419-421 → 350-367 ms,
-    AVX-512 193-194 → 178-188; 1536 tokens AVX2 2678-2802 → 2258-2313, AVX-512 1375-1383 → 1211-1242.
+    left spinning on the next kernel's core, as after torch's own threaded ops (docs/performance.md, prefill).
     ``mask_at``: the mask's place among the arguments after the queries."""
     def split(attention: Callable) -> Callable:
         @functools.wraps(attention)
@@ -318,7 +316,7 @@ def _bf16_swiglu_prompt(matrices: list[tuple], x: torch.Tensor, counts: list[int
     g, u, h = (torch.empty(rows, gates[0].shape[0]) for _ in range(3))
     y = torch.empty(rows, downs[0].shape[0])
     xs, hs = torch.split(x, counts), torch.split(h, counts)
-    # each expert's gate and up side by side, its rows of x still in cache for the second (~2 ms of ~115 a layer)
+    # each expert's gate and up side by side: its rows of x are still in cache for the second
     gs, us = torch.split(g, counts), torch.split(u, counts)
     pairs = [(part, w, out) for part, gw, uw, go, uo in zip(xs, gates, ups, gs, us) for w, out in ((gw, go), (uw, uo))]
     _linears_into(*(list(column) for column in zip(*pairs)))

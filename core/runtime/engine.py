@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from npumoe.core.base.errors import InputError, NumericError
-from npumoe.core.compiler.graphs import experts_graph
 from npumoe.core.compiler.interpreter import TorchGraphExecutor
 from npumoe.core.compiler.program import Program, build_program
 from npumoe.core.ir.backend import Executor
@@ -26,6 +25,7 @@ from npumoe.core.ir.rope import cos_sin, short_context
 from npumoe.core.ir.spec import MoESpec
 from npumoe.core.ir.weights import compute_bytes
 from npumoe.core.runtime.allocator import keep_freed_blocks
+from npumoe.core.runtime.cpu_experts import CpuExperts
 from npumoe.core.runtime.fused import attention_block
 from npumoe.core.runtime.kvcache import DecodeMasks, KVCache, attention_mask
 from npumoe.core.runtime.metrics import Metrics
@@ -49,7 +49,7 @@ def _chunk_by_chunk(observe, sizes: list[int], layer: int, experts, weights, att
 _UNBUILT = object()  # a fused decode step not yet asked for
 
 # Every public run is in torch's inference mode: no autograd or version-counter bookkeeping on any op. A decode
-# step is a few hundred small ops; on the demo model this is ~15 % of its time.
+# step is a few hundred small ops, so that bookkeeping is a visible share of it (docs/performance.md).
 _inference = torch.inference_mode()
 
 
@@ -144,21 +144,16 @@ class Engine:
         return executors
 
     def _moe_layers(self) -> dict[tuple[int, int], MoELayer]:
-        """Per MoE layer and sequence length, the host runtime with its any-size CPU experts
-        (the path for spilled tokens and CPU-resident experts)."""
+        """Per MoE layer and sequence length, the host runtime, sharing the layer's any-size CPU experts (the path for
+        spilled tokens and CPU-resident experts)."""
         out = {}
         for i, step in enumerate(self.program.layers):
             if step.moe is None:
                 continue
-            moe: MoESpec = self.spec.layers[i].ffn
-            cpu_experts = {
-                e: TorchGraphExecutor(experts_graph(self.spec, i, (e,), (1,), f"L{i}.cpu.e{e}"), self.model.weights)
-                for e in range(moe.num_experts)
-            }
-            expert_bytes = compute_bytes(self.model.weights, cpu_experts[0].graph.weight_names())  # (experts alike)
+            cpu = CpuExperts.of(self.spec, i, self.model.weights)
             for s in self.program.seqs:
-                out[(i, s)] = MoELayer(i, moe, self.model.weights, step.moe.groups[s], cpu_experts, step.moe.overflow,
-                                       self.device, expert_bytes)
+                out[(i, s)] = MoELayer(i, self.spec.layers[i].ffn, self.model.weights, step.moe.groups[s], cpu,
+                                       step.moe.overflow, self.device)
         return out
 
     @property
@@ -259,8 +254,7 @@ class Engine:
     def _prefill(self, ids: torch.Tensor, keep: str = "all") -> torch.Tensor | None:
         """A fresh sequence into the emptied cache; logits of ``keep``: "all" positions, the "last" one's (what
         generating needs), or "none" (the LM head is skipped). The cache is emptied on the prompt's threads:
-        zeroed on all of torch's, they spun on into the first kernel call (AVX2, 256 tokens: 7-11 ms for its
-        5.8)."""
+        zeroed on all of torch's, their OpenMP workers spin on into the first kernel call and slow it."""
         with self._prompt_threads():
             self.cache.reset()
             return self._prefill_chunks(ids, keep)
@@ -444,7 +438,7 @@ class Engine:
                 return None
             for i, step in enumerate(program.layers):
                 attention = self._fused_attention(i, step.attention[1])
-                moe = self.moe_layers[(i, 1)].fused_block() if step.moe is not None and not step.moe.shared \
+                moe = self.moe_layers[(i, 1)].fused_layer() if step.moe is not None and not step.moe.shared \
                     and not self.moe_layers[(i, 1)].static else None
                 if attention is None or moe is None:
                     return None
@@ -545,8 +539,8 @@ class Engine:
     @staticmethod
     def _finite(x: torch.Tensor, valid: int) -> bool:
         """Every value finite? A finite sum says so in one vectorised pass (a NaN or an infinity makes the sum
-        one; 152k logits take 5 µs, against 120 for isfinite().all()); only a sum that is not, which finite
-        values can also give by overflowing, is checked value by value."""
+        one), far cheaper than isfinite().all(); only a sum that is not, which finite values can also give by
+        overflowing, is checked value by value."""
         x = x if valid == x.shape[0] else x[:valid]
         return math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all())
 

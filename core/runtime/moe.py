@@ -10,7 +10,9 @@ Overflow policies (tokens past an expert's capacity in a static group):
   to what they summed to before; a pair with nowhere to go is dropped.
 
 Experts of CPU-resident groups (the plan's cold experts) run on exactly their tokens,
-without padding: the CPU has no static-shape rule to pay for.
+without padding: the CPU has no static-shape rule to pay for. They, spilled tokens and every
+expert of an unplanned layer run through the layer's :class:`~npumoe.core.runtime.cpu_experts.CpuExperts`,
+which picks the fused kernel calls and counts the calls: one path, whatever runs the experts.
 
 A static group compiled in several shapes launches, per chunk, the shape that fits the chunk's
 routing best: the host knows every expert's load before it launches anything.
@@ -32,12 +34,11 @@ import torch
 
 from npumoe.core.compiler.program import ExpertGroup
 from npumoe.core.ir.spec import MoESpec
+from npumoe.core.runtime.cpu_experts import CpuExperts
 from npumoe.core.runtime.dispatch import Dispatch, Layout, assign, combine, gather
 from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.router import all_scores, route
-from npumoe.luts.decode import MoEBlock, softmax_route
-
-_UNBUILT = object()  # a fused block not yet asked for
+from npumoe.luts.decode import softmax_route
 
 Run = Callable[[str, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -45,19 +46,15 @@ Run = Callable[[str, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 class MoELayer:
     """Everything one MoE layer needs at run time, for one sequence length."""
 
-    def __init__(self, layer: int, moe: MoESpec, weights, groups: list[ExpertGroup],
-                 expert_executors: Mapping[int, Callable], overflow: str = "spill", device: Worker | None = None,
-                 expert_bytes: int = 0):
-        """``expert_bytes``: the weights one CPU expert call reads (counted as ``weight_bytes``)."""
-        self.layer, self.moe, self.overflow, self.device = layer, moe, overflow, device
-        self.expert_bytes = expert_bytes
+    def __init__(self, layer: int, moe: MoESpec, weights, groups: list[ExpertGroup], cpu: CpuExperts,
+                 overflow: str = "spill", device: Worker | None = None):
+        """``cpu``: the layer's experts on the CPU, for spilled tokens, CPU-resident groups and unplanned layers."""
+        self.layer, self.moe, self.overflow, self.device, self.cpu = layer, moe, overflow, device, cpu
         prefix = f"layers.{layer}.moe.router"
         self.router_weight = weights[f"{prefix}.weight"]
         self.router_bias = weights[f"{prefix}.bias"] if moe.router.bias else None
         self.correction = weights[f"{prefix}.correction_bias"] if moe.router.correction_bias else None
         self._router_fp32: torch.Tensor | None = None  # the decode router's matrix, at first use
-        self._block: MoEBlock | None | object = _UNBUILT
-        self._cpu_names = [f"L{layer}.cpu.e{e}" for e in range(moe.num_experts)]
         self.static = [g for g in groups if g.shapes]
         self._shape_capacities = [torch.tensor([s.capacities for s in g.shapes]) for g in self.static]  # [V, G]
         self._layouts: dict[tuple[int, ...], Layout] = {}
@@ -65,7 +62,6 @@ class MoELayer:
         for g in groups:
             if not g.shapes:
                 self.compact[list(g.experts)] = True
-        self.expert_executors = expert_executors
         self._buffer = torch.empty(0, self.router_weight.shape[-1])  # grows to the largest launch set's rows
 
     def __call__(self, z: torch.Tensor, attn_out: torch.Tensor, valid: int, run: Run, m: Metrics,
@@ -73,19 +69,23 @@ class MoELayer:
         """y for the chunk ``z`` (its first ``valid`` rows real). With ``chunks``, ``z`` is a prompt's tokens at this
         layer, that many chunks of them, and each static group launches on them as :meth:`_buffered_layout` says."""
         seq = z.shape[0]
-        if seq == valid == 1 and not self.static and (block := self.fused_block()) is not None:
-            y = self._decode_fused(block, z, attn_out, m, on_route)
-            if y is not None:
-                return y
-        with m.time("router"):
-            routed = self._route_one(z) if seq == valid == 1 else None
-            experts, gates, logits = routed or route(z[:valid], self.moe.router, self.router_weight, self.router_bias,
-                                                     self.correction)
+        decode = seq == valid == 1
+        fused = self.fused_layer() if decode and not self.static else None
+        if fused is not None and (out := self.cpu.run_layer(fused, z, m)) is not None:
+            y, experts, gates = out  # routed and run in one call
+        else:
+            with m.time("router"):
+                routed = self._route_one(z) if decode else None
+                experts, gates, logits = routed or route(z[:valid], self.moe.router, self.router_weight,
+                                                         self.router_bias, self.correction)
+            y = None
         if on_route is not None:
             on_route(self.layer, experts, gates, attn_out[:valid])
         m.add("routed", experts.numel())
-        if valid == 1 and seq == 1 and (not self.static or bool(self.compact[experts[0]].all())):
-            return self._decode_on_cpu(z, experts[0].tolist(), gates[0], m)
+        if y is not None:
+            return y
+        if decode and (not self.static or bool(self.compact[experts[0]].all())):  # a token on CPU experts only
+            return self.cpu.token(z, experts[0].tolist(), gates[0], m)
         with m.time("gather"):
             layout = self._buffered_layout(experts, chunks) if chunks else self._layout(experts)
             saliency = attn_out[:valid].norm(dim=-1) if self.overflow == "drop" else None
@@ -119,44 +119,15 @@ class MoELayer:
             y += y_cpu
         return y
 
-    def fused_block(self) -> MoEBlock | None:
-        """The whole layer as one kernel call for a decode token (every expert on the CPU, plain softmax routing,
-        SwiGLU experts of fp32, bf16 or packed matrices), built at first use; None where it does not apply."""
-        if self._block is _UNBUILT:
-            router = self.moe.router
-            experts = [getattr(self.expert_executors[e], "fused_expert", None) for e in range(self.moe.num_experts)]
-            self._block = MoEBlock.of(self._router_matrix(), experts, router.top_k, router.normalize,
-                                      router.routed_scaling) if self._plain_softmax_router() else None
-        return self._block
-
-    def _decode_fused(self, block: MoEBlock, z: torch.Tensor, attn_out: torch.Tensor, m: Metrics, on_route):
-        """y for one token through the fused layer call, with the metrics the step-by-step path keeps: the routing
-        timed as ``router`` (host work), the experts as executor calls."""
-        start = time.perf_counter()
-        out = block(z)
-        if out is None:
-            return None
-        end = time.perf_counter()
-        y, experts, gates, logits, routing = out
-        m.record("router", start, start + routing)
-        m.record("cpu_expert_ffn", start + routing, end)
-        m.record("executor", start + routing, end)
-        self.count_decode(experts[0].tolist(), m)
-        if on_route is not None:
-            on_route(self.layer, experts, gates, attn_out)
-        return y
+    def fused_layer(self):
+        """The layer as one kernel call for a decode token (:meth:`CpuExperts.layer_call`), where its router is
+        plain softmax top-k; None elsewhere."""
+        return self.cpu.layer_call(self.moe.router, self._router_matrix()) if self._plain_softmax_router() else None
 
     def count_decode(self, experts: list[int], m: Metrics) -> None:
-        """A fused decode token's counts: its routed pairs, and each expert's call as the step-by-step path counts
-        it."""
-        m.count_runs([self._cpu_names[e] for e in experts])
+        """A decode token's counts when a whole-step call ran the layer: its routed pairs and its experts' calls."""
         m.add("routed", len(experts))
-        self._count_cpu_calls(len(experts), m)
-
-    def _count_cpu_calls(self, experts: int, m: Metrics) -> None:
-        """One CPU launch and one expert's weights for each of ``experts`` CPU expert calls."""
-        m.add("cpu_launches", experts)
-        m.add("weight_bytes", experts * self.expert_bytes)
+        self.cpu.count(experts, m)
 
     def _plain_softmax_router(self) -> bool:
         """Softmax top-k with no router bias and no correction: the router the fused decode calls compute."""
@@ -245,41 +216,18 @@ class MoELayer:
                 y_buf[offset:offset + rows] = run(shape.graph, {"x": buf[offset:offset + rows]})["y"]
         return y_buf
 
-    def _decode_on_cpu(self, z: torch.Tensor, experts: list[int], gates: torch.Tensor, m: Metrics) -> torch.Tensor:
-        """One token whose experts all run on the CPU: each on the token's row, weighted and summed, with no
-        dispatch tables (what :meth:`_run_compact` computes for one token, at a fraction of the host work)."""
-        with m.time("cpu_expert_ffn"):
-            executors = [self.expert_executors[e] for e in experts]
-            self._count_cpu_calls(len(experts), m)
-            with m.running([self._cpu_names[e] for e in experts]):
-                y = _combined(executors, z, gates)
-                if y is not None:
-                    return y
-                results = _run_side_by_side(executors, [{"x": z}] * len(experts))
-            return gates[None].to(z.dtype) @ torch.cat([r["y"] for r in results])  # [1, k] @ [k, H]
-
     def _run_compact(self, z: torch.Tensor, d: Dispatch, pairs_mask: torch.Tensor, m: Metrics) -> torch.Tensor:
         """CPU path on exactly the given (token, expert) pairs: spilled tokens and cold experts. The pairs are
-        sorted by expert once, so each expert's rows are one slice of a single gather (a mask and a gather per
-        expert cost a prompt's 128 experts ~4 ms), the experts run in one pass where their executors offer
-        ``prompt_many`` (a layer of a 256-token prompt, AVX2, interleaved on the same inputs: 4.4-6.0 ms less of ~115),
-        and the weighted outputs are added back in one call, pair after pair as expert after expert did."""
+        sorted by expert once, so each expert's rows are one slice of a single gather (not a mask and a gather per
+        expert), the experts run together (:meth:`CpuExperts.rows`), and the weighted outputs are added back in one
+        call, pair after pair as expert after expert did."""
         out = torch.zeros_like(z)
         pairs = pairs_mask.nonzero().flatten()
         with m.time("cpu_expert_ffn"):
             pairs = pairs[torch.argsort(d.expert[pairs], stable=True)]
             experts, counts = torch.unique_consecutive(d.expert[pairs], return_counts=True)
-            experts, counts = experts.tolist(), counts.tolist()
-            executors = [self.expert_executors[e] for e in experts]
             tokens = d.token[pairs]
-            x = z[tokens]
-            prompt = _shared(executors, "prompt_many")
-            with m.running([self._cpu_names[e] for e in experts]):
-                y = prompt(executors, x, counts) if prompt is not None else None
-                if y is None:
-                    results = _run_side_by_side(executors, [{"x": part} for part in torch.split(x, counts)])
-                    y = torch.cat([r["y"] for r in results])
-            self._count_cpu_calls(len(experts), m)
+            y = self.cpu.rows(z[tokens], experts.tolist(), counts.tolist(), m)
             out.index_add_(0, tokens, y.mul_(d.weight[pairs, None]))  # (y: this call's own tensor)
         return out
 
@@ -315,25 +263,3 @@ class MoELayer:
         d.renormalise(d.fits | d.compact, target)
         return d
 
-
-def _shared(executors: list, method: str):
-    """``method`` of the executors' class when they all share one class that offers it, else None. Duck-typed: core
-    imports no backend."""
-    found = getattr(type(executors[0]), method, None) if executors else None
-    return found if found is not None and all(type(e) is type(executors[0]) for e in executors) else None
-
-
-def _combined(executors: list, z: torch.Tensor, gates: torch.Tensor) -> torch.Tensor | None:
-    """Σ gates[i] · executor_i(z) in one call when the executors' class offers ``combine_many`` and it applies (the
-    interpreter fuses a token's SwiGLU experts into one kernel call), else None."""
-    combine = _shared(executors, "combine_many")
-    return None if combine is None else combine(executors, z, gates)
-
-
-def _run_side_by_side(executors: list, inputs: list[Mapping[str, torch.Tensor]]) -> list[dict]:
-    """Each executor on its inputs; together when their class offers ``run_many`` (the interpreter steps experts
-    of one shape side by side: one kernel call per step for all of them)."""
-    run_many = _shared(executors, "run_many")
-    if run_many is not None:
-        return run_many(executors, inputs)
-    return [run(i) for run, i in zip(executors, inputs)]

@@ -30,6 +30,7 @@ from npumoe.core.planning.plan import optimal_shapes, plan
 from npumoe.core.planning.profile import RoutingProfile
 from npumoe.core.runtime.calibrate import calibrate
 from npumoe.core.runtime.metrics import Metrics
+from npumoe.core.runtime.cpu_experts import CpuExperts
 from npumoe.core.runtime.moe import MoELayer
 
 HOST_OPS = ("router", "gather", "pad", "scatter", "residual")
@@ -70,7 +71,7 @@ def host_breakdown(chunk: int, repeats: int, **shapes) -> dict:
     graphs = {"g0.p0": TorchGraphExecutor(experts_graph(spec, 0, group.experts, tuple(shapes[0]), "g0.p0"), weights)}
     cpu_experts = {e: TorchGraphExecutor(experts_graph(spec, 0, (e,), (1,), f"e{e}"), weights)
                    for e in range(moe.num_experts)}
-    layer = MoELayer(0, moe, weights, [group], cpu_experts, "spill")
+    layer = MoELayer(0, moe, weights, [group], CpuExperts(cpu_experts), "spill")
     m = Metrics()
     run = lambda name, inputs: graphs[name](inputs)  # noqa: E731
     with torch.inference_mode():

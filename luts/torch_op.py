@@ -180,6 +180,12 @@ BF16_GEMM_FROM = {"avx512": 48, "avx2": 16, "neon": 16}
 BF16_DOT_FROM = 8
 
 
+def fast_compute_dtypes() -> frozenset[torch.dtype]:
+    """Stored dtypes the kernels compute from faster than torch from fp32 copies, in decode and prompts alike:
+    bf16 where they take its prompt products too (a build without the bf16 GEMMs leaves those to torch)."""
+    return frozenset({torch.bfloat16}) if kernels_take_bf16_prompts() else frozenset()
+
+
 def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """x [..., K] (fp32) · Wᵀ for a C-contiguous bf16 W through the bf16 kernels, reading W once at
     2 bytes a weight; None where they do not apply (more rows than the GEMV pays for on a CPU without the

@@ -10,6 +10,7 @@ from npumoe.core.base.errors import ModelDirError
 from npumoe.core.ir.identity import default_mode, weights_fingerprint
 from npumoe.core.ir.spec import ModelSpec
 from npumoe.core.ir.weights import Weights
+from npumoe.luts.torch_op import fast_compute_dtypes
 from npumoe.models.checkpoints.directory import QUANTIZED, canonical_sources, open_checkpoint, weight_files
 from npumoe.models.checkpoints.stored_formats import stored_format, views
 from npumoe.models.checks import check_config, check_spec
@@ -95,19 +96,19 @@ def _read_weights(path: Path, cfg: dict, adapter, spec: ModelSpec, dtype: str) -
     reader = _packed_reader(cfg)
     if reader is None:
         return Weights(canonical_sources(views(open_checkpoint(path), cfg), adapter), spec, source=str(path),
-                       dtype=dtype)
+                       dtype=dtype, fast_dtypes=fast_compute_dtypes)
     from npumoe.models.checkpoints.lut import QuantizedWeights
 
     tensors, packed = reader(path, cfg, adapter, spec)
-    return QuantizedWeights(tensors, spec, packed, source=str(path), dtype=dtype)
+    return QuantizedWeights(tensors, spec, packed, source=str(path), dtype=dtype, fast_dtypes=fast_compute_dtypes)
 
 
 def load(path: str | Path | None = None, dtype: str = "auto") -> Model:
     """Load a checkpoint directory (default: the shipped demo model), its weights mapped, not read.
 
-    ``dtype`` is the compute dtype policy of :class:`~npumoe.core.ir.weights.Weights`: ``auto`` (fp32
-    when an fp32 copy fits comfortably in memory, else the stored dtype), ``float32``, ``bfloat16``
-    or ``float16``."""
+    ``dtype`` is the compute dtype policy of :class:`~npumoe.core.ir.weights.Weights`: ``auto`` (the stored
+    bf16 where this CPU's kernels compute from it faster than from fp32; else fp32 when an fp32 copy fits
+    comfortably in memory, else the stored dtype), ``float32``, ``bfloat16`` or ``float16``."""
     path = Path(path) if path is not None else DEMO_DIR
     cfg = read_config(path)
     adapter, spec = config_spec(cfg, str(path / "config.json"))

@@ -41,7 +41,8 @@ def source(tmp_path_factory):
 @pytest.fixture(scope="module")
 def quantized(source, tmp_path_factory):
     out = tmp_path_factory.mktemp("q4")
-    main(["quantize", "--model", str(source), "--bits", "4", "--group", "64", "--out", str(out)])
+    main(["quantize", "--model", str(source), "--bits", "4", "--group", "64", "--linears", "experts",
+          "--out", str(out)])
     return out
 
 
@@ -146,8 +147,19 @@ def test_heldout_reports_the_perplexity_the_format_costs(source, tmp_path, capsy
 
 def test_head_bits_without_all_linears_is_refused(source, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["quantize", "--model", str(source), "--head-bits", "8", "--out", str(tmp_path / "q")])
+        main(["quantize", "--model", str(source), "--linears", "experts", "--head-bits", "8", "--out",
+              str(tmp_path / "q")])
     assert exit_info.value.code == 2 and "add --linears all" in capsys.readouterr().err
+
+
+def test_by_default_every_linear_but_the_routers_is_packed_the_head_at_six_bits(source, tmp_path):
+    """What a user gets without flags is the fast CPU path: attention, FFNs and the head packed too."""
+    main(["quantize", "--model", str(source), "--bits", "2", "--group", "32", "--out", str(tmp_path / "q")])
+    model = npumoe.load(tmp_path / "q")
+    assert set(model.weights.packed) == set(checkpoint.quantized_names(model.spec, "all"))
+    assert model.weights.packed["lm_head.weight"].bits == 6
+    assert {lin.bits for name, lin in model.weights.packed.items() if name != "lm_head.weight"} == {2}
+    assert not any(".router." in name for name in model.weights.packed)
 
 
 @pytest.fixture
@@ -185,8 +197,8 @@ def test_symmetric_and_two_bit_checkpoints_load(source, tmp_path):
     (dict(bits=7, group=64), "7-bit weights are not supported"),
     (dict(bits=4, group=48), "group size 48 is not supported"),
     (dict(bits=1, group=64, symmetric=True), "1-bit symmetric"),
-    (dict(bits=4, group=128), r"layers\.0\.moe\.experts\.0\.gate\.weight has K = 64 inputs, not a multiple of "
-                              "the group size 128"),
+    (dict(bits=4, group=128), r"layers\.0\.attn\.k\.weight has K = 64 inputs, not a multiple of the group "
+                              "size 128"),
 ])
 def test_unsupported_formats_are_refused_before_writing(source, tmp_path, kwargs, match):
     with pytest.raises(InputError, match=match):
@@ -266,7 +278,7 @@ def drop_zeros(tensors):
      f"missing tensor '{NAME.replace('1.moe.experts.2.down', '0.moe.experts.0.gate')}'"),
 ])
 def test_damaged_checkpoints_are_refused(source, tmp_path, edit, match):
-    quantize_checkpoint(source, tmp_path, 4, 64)
+    quantize_checkpoint(source, tmp_path, 4, 64, linears="experts")
     rewrite(tmp_path, **edit)
     with pytest.raises(WeightError, match=match):
         npumoe.load(tmp_path)

@@ -16,8 +16,8 @@ from npumoe.core.compiler.interpreter import TorchGraphExecutor
 from npumoe.core.compiler.program import ExpertGroup, StaticShape
 from npumoe.core.ir.spec import AttentionSpec, LayerSpec, MLPSpec, ModelSpec, MoESpec, RopeSpec, RouterSpec
 from npumoe.core.planning.plan import OVERFLOW_POLICIES
-from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.cpu_experts import CpuExperts
+from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.moe import MoELayer
 
 H, I = 8, 6

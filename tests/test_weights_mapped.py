@@ -108,8 +108,16 @@ def mapped_file(address: int) -> str:
     return ""
 
 
-def test_auto_policy_is_fp32_when_it_fits(sharded_bf16):
-    assert npumoe.load(sharded_bf16).weights.dtype == torch.float32
+def test_auto_policy_computes_from_bf16_where_the_kernels_are_faster_else_fp32_when_it_fits(sharded_bf16):
+    from npumoe.core.ir.weights import resolve_dtype
+    from npumoe.luts.torch_op import fast_compute_dtypes
+
+    weights = npumoe.load(sharded_bf16).weights
+    assert weights.dtype == (torch.bfloat16 if torch.bfloat16 in fast_compute_dtypes() else torch.float32)
+    sources = {name: weights.source(name) for name in weights}
+    assert resolve_dtype("auto", sources, weights.spec, lambda: frozenset()) == torch.float32  # small: fits
+    assert resolve_dtype("auto", sources, weights.spec, lambda: frozenset({torch.bfloat16})) == torch.bfloat16
+    assert weights["layers.0.moe.router.weight"].dtype == torch.float32  # the router's scores stay fp32
 
 
 def test_inspect_and_plan_read_no_tensor_data(sharded_bf16, tmp_path, monkeypatch, capsys):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,21 +153,27 @@ def available_memory() -> int:
     return 0
 
 
-def resolve_dtype(policy: str, sources: Mapping[str, TensorSource], spec: ModelSpec) -> torch.dtype:
+def resolve_dtype(policy: str, sources: Mapping[str, TensorSource], spec: ModelSpec,
+                  fast_dtypes: Callable[[], Collection[torch.dtype]] | None = None) -> torch.dtype:
     """The compute dtype of low-precision-tolerant matrices under a dtype policy.
 
-    ``auto``: fp32 when an fp32 copy of the model fits comfortably in free memory, else the stored
-    dtype of the largest matrices (so a 7 B bf16 checkpoint runs from its mapped bf16 bytes)."""
+    ``auto``: the stored dtype of the largest matrices where the CPU kernels compute from it faster than from
+    fp32 (``fast_dtypes()``, asked only then: the loader knows the kernels, this layer does not), at every model
+    size; else fp32 when an fp32 copy of the model fits comfortably in free memory, else that stored dtype (so a
+    7 B checkpoint runs from its mapped bytes). Norms and the router stay fp32 either way (:func:`fp32_sensitive`)."""
     if policy not in DTYPE_POLICIES:
         raise InputError(f"dtype {policy!r} is not a compute dtype policy; use one of {', '.join(DTYPE_POLICIES)}.")
     if policy != "auto":
         return getattr(torch, policy)
+    stored = [s.dtype for s in sources.values() if s.dtype in (torch.bfloat16, torch.float16)]
+    largest = max(set(stored), key=stored.count) if stored else torch.float32
+    if largest != torch.float32 and fast_dtypes is not None and largest in fast_dtypes():
+        return largest
     params = sum(math.prod(shape) for shape in expected_shapes(spec).values())
     available = available_memory()
     if not available or params * 4 <= FP32_SHARE_OF_AVAILABLE * available:
         return torch.float32
-    stored = [s.dtype for s in sources.values() if s.dtype in (torch.bfloat16, torch.float16)]
-    return max(set(stored), key=stored.count) if stored else torch.float32
+    return largest
 
 
 class Weights(Mapping):
@@ -178,7 +184,7 @@ class Weights(Mapping):
     fp32. A converted copy is shared by every holder while one is alive, never cached beyond."""
 
     def __init__(self, tensors: Mapping[str, TensorSource | torch.Tensor], spec: ModelSpec, source: str = "",
-                 dtype: str | torch.dtype = "float32"):
+                 dtype: str | torch.dtype = "float32", fast_dtypes: Callable[[], Collection[torch.dtype]] | None = None):
         sources = {n: t if isinstance(t, TensorSource) else TensorSource.of(t) for n, t in tensors.items()}
         want = expected_shapes(spec)
         missing = [n for n in want if n not in sources]
@@ -202,7 +208,8 @@ class Weights(Mapping):
                 )
         self._sources = {n: sources[n] for n in want}
         self.spec = spec
-        self.dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, self._sources, spec)
+        self.dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, self._sources, spec,
+                                                                                fast_dtypes)
         self._converted: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
     def __getitem__(self, name: str) -> torch.Tensor:

@@ -173,10 +173,11 @@ class QuantizedWeights(Weights):
     """
 
     def __init__(self, tensors: Mapping[str, TensorSource | torch.Tensor], model_spec: ModelSpec,
-                 packed: Mapping[str, spec.Packed | Deferred], source: str = "", dtype: str | torch.dtype = "float32"):
+                 packed: Mapping[str, spec.Packed | Deferred], source: str = "", dtype: str | torch.dtype = "float32",
+                 fast_dtypes=None):
         shapes = {name: torch.empty(p.meta.shape, device="meta") for name, p in packed.items()
                   if isinstance(p, spec.Packed)}
-        super().__init__(dict(tensors) | shapes, model_spec, source, dtype)
+        super().__init__(dict(tensors) | shapes, model_spec, source, dtype, fast_dtypes)
         self.packed = PackedLinears(packed)
 
     def digest(self, names) -> str:

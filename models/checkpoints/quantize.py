@@ -31,11 +31,21 @@ QUANTIZED_CHECKPOINT = OutputKind("an npumoe-quantised checkpoint", directory=Tr
                                   recognise=lambda path: checkpoint.SECTION in json_object(path / "config.json"))
 
 
+HEAD_BITS = 6  # llama.cpp's Q4_0 and Q2_K files keep their LM head at 6 bits (Q6_K) too
+
+
+def default_head_bits(bits: int) -> int:
+    """The LM head's bits when every linear is packed: the most sensitive matrix, so never fewer than HEAD_BITS
+    (on the demo a 6-bit head gives the held-out perplexity an 8-bit one does: docs/formats.md)."""
+    return max(bits, HEAD_BITS)
+
+
 def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int, symmetric: bool = False,
-                        progress: bool = False, linears: str = "experts", head_bits: int | None = None) -> dict:
+                        progress: bool = False, linears: str = "all", head_bits: int | None = None) -> dict:
     """Write the quantised checkpoint of ``src`` to ``out``; returns its config section. ``linears`` is
-    "experts" (the routed experts) or "all" (:func:`checkpoint.quantized_names`); ``head_bits`` the LM head's
-    bits when it is packed (default ``bits``)."""
+    "all" (every linear but the routers, :func:`checkpoint.quantized_names`: what the CPU decodes fastest) or
+    "experts" (the routed experts, for the NPU paths that take only those); ``head_bits`` the LM head's bits when
+    it is packed (default :func:`default_head_bits`)."""
     src, out = Path(src), Path(out)
     cfg = read_config(src)
     if checkpoint.SECTION in cfg:
@@ -48,6 +58,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int,
     if linears not in checkpoint.LINEARS:
         raise InputError(f"--linears {linears!r} is not one of {', '.join(checkpoint.LINEARS)}.")
     spec.check_format(bits, group, symmetric=symmetric)
+    head_bits = default_head_bits(bits) if head_bits is None and linears == "all" else head_bits
     if head_bits is not None:
         spec.check_format(head_bits, group, symmetric=symmetric)
     if out.resolve() == src.resolve():

@@ -29,10 +29,9 @@ from npumoe.core.base.native import native_output_silenced
 CONFIG = {**QWEN3_30B_A3B, "num_hidden_layers": 2, "vocab_size": 8192, "bos_token_id": 1, "eos_token_id": 2}
 CHECKPOINT = CACHE / "qwen3-30b-a3b-2-layers-vocab8192"
 GGUF_DIR = CACHE / "qwen3-30b-a3b-2-layers-vocab8192-gguf"  # beside, not inside: quantize copies a checkpoint's files
-# npumoe format → (quantize bits or None for the stored bf16, the llama.cpp format it is measured against);
-# low-bit formats pack every linear but the routers
+# npumoe format → (quantize bits or None for the stored bf16, the llama.cpp format it is measured against). npumoe's
+# rows are what a user gets without flags: `npumoe quantize --bits N` and `npumoe.load(path)`
 PAIRS = {"bf16": (None, "F16"), "int4": (4, "Q4_0"), "int2": (2, "Q2_K")}
-HEAD_BITS = 6  # the low-bit formats' LM head: llama.cpp's Q4_0 and Q2_K files keep theirs at 6 bits too (Q6_K)
 LLAMA_FTYPES = {"Q4_0": 2, "Q2_K": 10}  # llama_ftype values (llama.h)
 GOALS = {"bf16": 0.9, "int4": 1.0, "int2": 1.0}  # npumoe decode tok/s ÷ llama.cpp's, issue 18
 PREFILL_GOAL = 0.8  # npumoe prefill tok/s ÷ llama.cpp's, every format
@@ -61,7 +60,7 @@ class NpumoeRunner:
     def __init__(self, path: Path):
         import npumoe
 
-        self.model = npumoe.load(path, dtype="bfloat16")
+        self.model = npumoe.load(path)
         self.engine = npumoe.Engine(self.model, max_context=512)
         self.weight_bytes = npumoe_decode_bytes(self.model)
 
@@ -144,10 +143,10 @@ def prepared(console: Console, with_llama: bool) -> dict[str, tuple[Path, Path |
         source = write_random_checkpoint(CONFIG, CHECKPOINT, progress=False)
     paths = {}
     for fmt, (bits, llama_format) in PAIRS.items():
-        ckpt = source if bits is None else source.with_name(f"{source.name}-int{bits}-all-linears-head{HEAD_BITS}")
+        ckpt = source if bits is None else source.with_name(f"{source.name}-int{bits}")
         if bits is not None and not (ckpt / "config.json").is_file():
-            with console.status(f"npumoe quantize --bits {bits} --linears all --head-bits {HEAD_BITS} (once)"):
-                quantize_checkpoint(source, ckpt, bits=bits, group=64, linears="all", head_bits=HEAD_BITS)
+            with console.status(f"npumoe quantize --bits {bits} (once)"):
+                quantize_checkpoint(source, ckpt, bits=bits, group=64)
         gguf_path = GGUF_DIR / f"model-{llama_format}.gguf" if with_llama else None
         if gguf_path is not None and not gguf_path.is_file():
             with console.status(f"writing the {llama_format} GGUF (once)"):

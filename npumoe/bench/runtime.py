@@ -29,8 +29,8 @@ from npumoe.core.ir.weights import compute_bytes
 from npumoe.core.planning.plan import optimal_shapes, plan
 from npumoe.core.planning.profile import RoutingProfile
 from npumoe.core.runtime.calibrate import calibrate
-from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.cpu_experts import CpuExperts
+from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.moe import MoELayer
 
 HOST_OPS = ("router", "gather", "pad", "scatter", "residual")

@@ -23,7 +23,7 @@
  * between the two (for prefetches the memory system drops when its queues are full) cost more
  * instructions than it brought. 12 KB is about twice DRAM's latency at one core's read rate: lines
  * further ahead only hold the miss queues (32 KB, tuned on Zen 4, was too far on a Zen 5 VM), and
- * nearer ones arrive late. Measurements: docs/performance.md, "LUT-GEMV prefetch". */
+ * nearer measured worse at int2. Measurements: docs/performance.md, "LUT-GEMV prefetch". */
 #define LUT_PREFETCH_FAR 12288
 #define LUT_PREFETCH_L1 6144
 /* Scales and zeros (elements ahead; a row block's group is 16 of each): 2 KB and 1 KB, as far ahead

@@ -29,9 +29,9 @@
 #endif
 
 /* How long a worker spins for the next job before it sleeps. By time, not by rounds: a pause lasts
- * from a few cycles (AMD Zen) to ~140 (Intel Skylake+), and a round count sized for one CPU kept a
- * worker spinning long after each job on a 2-core Zen VM, where torch's own threads then waited for
- * its core (docs/performance.md, "Thread pool"). 30 µs covers the gap between the GEMVs of one
+ * from a few cycles (AMD Zen) to ~140 (Intel Skylake+), and a fixed count of them kept a worker
+ * spinning long after each job on a 2-core Zen VM, where torch's own threads then waited for its
+ * core (docs/performance.md, "Thread pool"). 30 µs covers the gap between the GEMVs of one
  * decode step's expert. */
 #define SPIN_NS 30000LL
 

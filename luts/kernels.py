@@ -160,7 +160,8 @@ _FLOAT32 = np.dtype(np.float32)
 
 
 def _ptr(a: np.ndarray | None) -> int | None:
-    """The array's data address; through ctypes' buffer view when it allows (a third of ``a.ctypes.data``'s cost).
+    """The array's data address; through ctypes' buffer view when it allows (cheaper than ``a.ctypes.data``:
+    docs/performance.md, "Call overhead").
 
     The view needs a writable, non-empty, contiguous buffer; anything else takes numpy's slower road.
     """

@@ -9,7 +9,8 @@ NEON one-register `tbl`) serves a whole quarter. AVX-512 turns a plane into row 
 with one `vpermb` (four bytes a row in each 32-bit lane), looks up 64 entries with one
 more and sums them per row with one 4-way dot product (`vpdpbusd`), the plane weight 2^i
 as its multiplier. (Row order in memory, byte 4r + p, suited AVX-512 alone: AVX2 spent
-six shuffles a plane regrouping it, 0.80 of the read bandwidth against 0.95.) The layout
+six shuffles a plane regrouping it and fell well short of the read bandwidth; docs/performance.md,
+"LUT-GEMV on AVX2".) The layout
 does not depend on the bit width or the group size, so one layout serves every kernel
 and every format.
 
@@ -81,8 +82,8 @@ class TiledWeight:
 
         A decode step calls a kernel per expert matrix, with the weight's Python objects cold in
         cache: handing over one prepared struct instead of reading seven fields (and three numpy
-        addresses, a microsecond each) per call keeps the call's own cost small against the
-        GEMV. A frozen weight's arrays do not move, and the struct lives as long as the weight.
+        addresses) per call keeps the call's own cost small against the GEMV (docs/performance.md,
+        "Call overhead"). A frozen weight's arrays do not move, and the struct lives as long as the weight.
         """
         self.check()
         nb, k = self.row_blocks, self.shape[1]

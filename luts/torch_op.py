@@ -31,12 +31,12 @@ def uses_gemm(rows: int, bits: int, isa: str | None = None) -> bool:
     (:func:`uses_int8`).
 
     A LUT-GEMV's table lookups grow with bits × rows; the GEMM's dequantisation costs about the same
-    at any width. Measured on a quiet 2-core AMD EPYC (768×2048, 2048×768 and 4096×2048, 2 threads,
-    GEMV time / GEMM time) at 2 bits, 4 to 1024 rows: AVX-512 (four-row GEMV) 0.16-0.36, AVX2 (two-row GEMV)
-    0.33-0.60 (and 0.35-0.39 at 1 bit, 512-1024 rows), so the GEMM from 2048 rows at 2 bits is a guess.
-    NEON and portable keep the old AVX2 rule, a crossing at about 8 rows at 4 bits and 32 at 2 (not measured: NEON
-    runs here only under emulation). Above 4 bits the GEMV's 8-bit activation tables, not the weights, set its
-    error (MXFP4 experts, 8-bit heads), so the exact dequantising GEMM takes over early there, whatever the ISA.
+    at any width. On both x86 builds the multi-row GEMV took less time than the GEMM at every row count
+    measured (up to 1024 rows at 1-2 bits), so the GEMM from 2048 rows at 2 bits is a guess. NEON and portable
+    keep the old AVX2 rule, a crossing at about 8 rows at 4 bits and 32 at 2 (not measured: NEON runs here only
+    under emulation). Above 4 bits the GEMV's 8-bit activation tables, not the weights, set its error (MXFP4
+    experts, 8-bit heads), so the exact dequantising GEMM takes over early there, whatever the ISA.
+    Measurements: docs/performance.md, "Prefill paths (LUT)".
     """
     return rows * bits >= (GEMM_FROM[isa or _kernels().isa] if bits <= 4 else EXACT_GEMM_FROM)
 
@@ -57,9 +57,9 @@ def kernel_threads() -> int:
 def torch_on_one_thread() -> Iterator[None]:
     """Torch's own ops on one thread while the kernels keep torch's thread count. In a decode step whose
     matrices the kernels read, torch is left with small ops that gain nothing from threads, and its OpenMP
-    workers spin for about a millisecond after each one on the core a kernel's worker needs (OLMoE-1B-7B,
-    bf16, 2 cores: 160 -> 126 ms/token). A prompt's attention, the one large product left to torch, runs its
-    query positions on the held threads instead (:func:`on_held_threads`)."""
+    workers spin after each one on the core a kernel's worker needs (docs/performance.md, "Torch's threads").
+    A prompt's attention, the one large product left to torch, runs its query positions on the held threads
+    instead (:func:`on_held_threads`)."""
     global _held_threads
     if _held_threads is not None:
         yield
@@ -141,42 +141,33 @@ def uses_int8(rows: int, bits: int) -> bool:
     """Quantise the activations to int8 and take byte dot products (AVX-512 VNNI, AVX2, NEON on ARMv8.2's sdot) from
     ``INT8_FROM`` rows at 3-4 bits, ahead of the dequantising GEMM: a LUT-GEMV row costs two lookups and two dot
     products per bit plane, an int8 row one or two instructions per vector of weights once each tile is unpacked.
-    Measured on a quiet 2-core AMD EPYC (768×2048, 2048×768, 4096×2048 at 4 bits, 2 threads), int8 time /
-    multi-row GEMV time: AVX-512 0.85-0.96 at 8 rows, 0.63-0.87 at 64-1024; AVX2 1.11-1.17 at 4 rows, 0.80-0.89 at
-    8, 0.62-0.75 at 16-256.
-    Against the dequantising GEMM it takes 0.22-0.56 of the time on AVX-512 (8-1024 rows) and 0.42-0.64 on AVX2.
-    Its error is the LUT-GEMV's kind and size (spec.int8_gemv; NMSE against fp32 3.5e-5 where the LUT-GEMV's is
-    5.7e-5 on Gaussian weights and activations). NEON keeps the x86 rows: not measured; `npumoe bench neon`
-    estimates its inner loop (four rows against a tile's codes, sdot, code loads included) at 28 / 46 / 6
-    multiply-adds a cycle on Cortex-X1 and A710 / Apple M1 / A55 (an earlier estimate that left out the code loads
-    said 41-88)."""
+    On both x86 builds it takes less time than the multi-row GEMV from 8 rows (at 4, AVX2's took more) and less than
+    the dequantising GEMM at every row count measured. Its error is the LUT-GEMV's kind and size (spec.int8_gemv;
+    NMSE against fp32 3.5e-5 where the LUT-GEMV's is 5.7e-5 on Gaussian weights and activations). NEON keeps the x86
+    rows: not measured, only its inner loop estimated (`npumoe bench neon`). Measurements and estimates:
+    docs/performance.md, "Prefill paths (LUT)" and "bench neon"."""
     return rows >= INT8_FROM and 3 <= bits <= 4
 
 
-# Rows up to which the bf16 GEMV beats widening the matrix for torch's fp32 GEMM, per ISA. Measured on a quiet
-# 2-core AMD EPYC (768x2048, 2048x768, 4096x2048, 8192x2048; GEMV time / widen + GEMM time): the AVX-512 build
-# wins to 128 rows on all four (0.48-0.98 there, 0.15-0.87 below) and on the large ones to 256; the AVX2 build
-# loses on the small ones from 16 rows (1.2-1.6) and wins on the large ones to 128 (0.2-0.8): 16 keeps the large
-# matrices' decode and the small ones' prefill. NEON and portable keep AVX2's rule (not measured).
+# Rows up to which the bf16 GEMV beats widening the matrix for torch's fp32 GEMM, per ISA: the AVX-512 build wins to
+# 128 rows on every shape measured; the AVX2 build loses on small matrices from 16 rows and wins on large ones to 128,
+# so 16 keeps the large matrices' decode and the small ones' prefill. NEON and portable keep AVX2's rule (not
+# measured). Measurements: docs/performance.md, "bf16 paths".
 BF16_GEMV_MAX_ROWS = {"avx512": 128, "avx2": 16, "neon": 16, "portable": 16}
 
 
 # Rows from which a bf16 matrix takes the bf16 GEMM (kernels.bf16_gemm: each weight widened once a call, exact fp32
-# arithmetic) where the CPU has no bf16 dot products, K a multiple of 16. Measured on a quiet 2-core AMD EPYC
-# (2 threads; GEMM time / GEMV time): AVX2, a prompt's experts batched (48 cold 768x2048 or 2048x768 matrices a call)
-# 0.86-0.89 at 16 rows, 0.97-0.99 at 14, 1.13 at 12, 0.98-1.05 at 8; one hot 768x2048, 2048x768, 4096x2048 or
-# 512x2048 0.76-1.17 at 16, 0.88-1.55 at 12; the AVX-512 build (as on a CPU without AVX-512 BF16), the same hot
-# matrices, 0.78-1.10 at 64 rows, 0.79-1.15 at 48, 0.79-1.16 at 32, 0.84-1.50 at 16. Against widening the matrix
-# for torch's fp32 GEMM (the path past the GEMV's rows before), 256 rows of 768x2048 / 4096x2048: 3.5 / 18 ms where
-# torch took 3.6-3.9 / 27-29. NEON keeps AVX2's rule (not measured).
+# arithmetic) where the CPU has no bf16 dot products, K a multiple of 16: where it starts to beat the GEMV on a
+# prompt's batched experts on AVX2 (not yet at 12-14 rows), and the middle of the 32-64 rows over which it mostly
+# does on the AVX-512 build without BF16. Past the GEMV's rows it also beats widening the matrix for torch's fp32
+# GEMM. NEON keeps AVX2's rule (not measured). Measurements: docs/performance.md, "bf16 paths".
 BF16_GEMM_FROM = {"avx512": 48, "avx2": 16, "neon": 16}
 
 
 # Rows from which a bf16 matrix takes the dot-product GEMM (AVX-512 BF16, spec.bf16_dot_gemm) on activations
 # rounded to bf16, as torch's bf16 matmul and llama.cpp's F16 path (to fp16) round them: two products per lane
-# and instruction where widening the weights to fp32 makes one, so a prompt runs 2-3x faster (2 Zen 4 threads,
-# 16-256 rows of 768-4096 x 768-2048: 180-360 GMAC/s against 75-112). Fewer rows (decode) stay on the exact
-# GEMV, which reading the weights bounds.
+# and instruction where widening the weights to fp32 makes one, so a prompt runs several times faster
+# (docs/performance.md, "bf16 paths"). Fewer rows (decode) stay on the exact GEMV, which reading the weights bounds.
 BF16_DOT_FROM = 8
 
 
@@ -201,7 +192,9 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
         y = product(w.detach().view(torch.int16).numpy(), x.detach().reshape(rows, k).contiguous().numpy(),
                     kernel_threads())
         return torch.from_numpy(y).reshape(*x.shape[:-1], w.shape[0])
-    x = x.contiguous()  # addresses, not arrays: a numpy view of each tensor costs more than a 4 MB GEMV's tenth
+    # addresses, not arrays: a numpy view of each tensor costs a noticeable share of a decode GEMV
+    # (docs/performance.md, "Call overhead")
+    x = x.contiguous()
     y = torch.empty(*x.shape[:-1], w.shape[0])
     if path == "dot":
         calls.bf16_dot_gemm_many_at([(w.data_ptr(), x.data_ptr(), y.data_ptr(), rows, *w.shape)], kernel_threads())
@@ -309,7 +302,8 @@ class LutLinear(torch.nn.Module):
     def tiled(self) -> layout.TiledWeight:
         """The buffers as the kernels' weight, checked once and rebuilt only if a buffer moved.
 
-        Building and checking it costs ~10 µs, an eighth of a decode GEMV of a 1408×2048 expert.
+        Building and checking it is a noticeable share of a small expert's decode GEMV (docs/performance.md,
+        "Call overhead"), so it is kept.
         """
         key = tuple(0 if b is None else b.data_ptr() for b in (self.tiles, self.scales, self.zeros))
         if self._tiled_cache is None or self._tiled_cache[0] != key:
@@ -323,7 +317,8 @@ class LutLinear(torch.nn.Module):
         return torch.from_numpy(_kernels().dequantize(self.tiled(), kernel_threads()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _eager(x):  # skips the dispatcher: ~25 µs a call, a third of a small expert's decode GEMV
+        # skips the dispatcher, a large share of a small expert's decode GEMV (docs/performance.md, "Call overhead")
+        if _eager(x):
             y = _compute(x, self.tiled())
         else:
             y = torch.ops.npumoe.lut_linear(x, self.tiles, self.scales, self.zeros, self.bits, self.group,

@@ -3,11 +3,10 @@
 glibc serves blocks above its mmap threshold (128 KB, rising with use to at most 32 MB) from fresh mappings,
 which it unmaps on free, and gives back free heap above its trim threshold: so a prompt's activations, expert
 buffers and kernel scratch were mapped, page-faulted in and unmapped again layer after layer. Serving blocks up
-to 32 MB (glibc's ceiling for the threshold on 64-bit) from the heap and keeping up to 256 MB of freed heap took a
-256-token bf16 prefill of the bench's Qwen3-30B-A3B-shaped model from 336-358 to 321-328 ms on AVX2 (2 threads,
-interleaved; AVX-512 184-216 → 182-185), at the price of the process keeping that much freed memory for reuse
-instead of returning it. (The trim threshold alone is far worse: setting it turns glibc's adaptive mmap threshold
-off.)
+to 32 MB (glibc's ceiling for the threshold on 64-bit) from the heap and keeping up to 256 MB of freed heap makes a
+bf16 prefill faster, the most on AVX2 (docs/performance.md, "Allocator"), at the price of the process keeping that
+much freed memory for reuse instead of returning it. (The trim threshold alone is far worse: setting it turns
+glibc's adaptive mmap threshold off.)
 """
 
 from __future__ import annotations

@@ -15,9 +15,8 @@
 #define ACC 1 /* one accumulator a row vector: int16 where INT16_GROUP allows a whole group, else int32 */
 #define GEMM_MR AVX2_MR
 #define GEMV_MR AVX2_GEMV_MR
-/* Four rows a pass spill the tables and sums to the stack, which pays at 1-2 bits, where a tile has few planes
- * (2 threads, 2 bits, 16 rows: 10-12 % less time than passes of two), not above (4 bits, 6 rows: 5-15 % more), nor
- * for 2-3 rows, whose pass would repeat rows. */
+/* Four rows a pass spill the tables and sums to the stack, which pays at 1-2 bits, where a tile has few planes,
+ * not above, nor for 2-3 rows, whose pass would repeat rows (docs/performance.md, "Multi-row LUT-GEMV"). */
 #define GEMV_NARROW_MR 2
 #define GEMV_WIDE(bits, rows) ((bits) <= 2 && (rows) > 2)
 #define GEMM_ROW_BLOCKS 1 /* 6 × 16 microkernel: 12 accumulators */
@@ -112,7 +111,7 @@ static inline __attribute__((always_inline)) void plane_sums(const uint8_t *plan
 
 /* `sums` plus both nibbles of a vector of indices looked up (low ones in `low_tables`, high in `high_tables`), each
  * byte pair summed with its weights (vpmaddubsw: the weights unsigned, the table entries signed) into int16 words.
- * Added one after the other: as a tree of adds int4 was 4-7 % slower. */
+ * Added one after the other: a tree of adds measured slower at int4 (docs/performance.md, "LUT-GEMV on AVX2"). */
 static inline __attribute__((always_inline)) __m256i add_nibble_lookups(__m256i sums, __m256i indices,
                                                                       __m256i low_tables, __m256i high_tables,
                                                                       __m256i weights) {
@@ -149,8 +148,8 @@ static inline __m256i widen_lanes(__m256i acc, __m256i sums) {
  * carries its weight and the sums stay int16 for a tile, each lane's at most (2^bits − 1) · 4 · 127 (15748 at 5
  * bits), and for the whole group where its tiles keep that in int16 (INT16_GROUP: groups to 256 inputs at 1-3 bits,
  * 128 at 4, 64 at 5); group_totals widens them once. Widening every tile took a sixth of an int2 tile's
- * instructions. Wider codes widen every pair, its weight 2^i applied in int32. Hot 1024², one thread, ns a tile:
- * planes one by one with Horner doubling int2 4.35, int4 7.75, int8 20.4; in pairs 3.79, 6.85, 13.6. */
+ * instructions. Wider codes widen every pair, its weight 2^i applied in int32. Pairs against planes one by one:
+ * docs/performance.md, "LUT-GEMV on AVX2". */
 #define INT16_GROUP(bits, tiles) ((bits) <= 5 && (tiles) * ((1 << (bits)) - 1) * 4 * 127 <= 32767)
 #define ISA_OWN_TILE_DOTS
 static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const uint8_t *tile, const kt_tables *t,
@@ -182,10 +181,9 @@ static inline __attribute__((always_inline)) void tile_dots(vi a[][ACC], const u
 }
 
 /* The group's totals (simd_kernels.h). A whole group's int16 sums whose two lanes (the same rows) still fit int16 once
- * added, INT16_MERGED, add there: rows 0-7 | 8-15 in one vector, widened with one extract (hot 1024², one thread, ns a
- * tile: int2 3.79 → 3.58, int4 6.85 → 6.21). Where the zero term fits beside them too, ZEROS_IN_INT16 (|z·zero_coef|
- * ≤ (2^b − 1) · 2 · tiles · 8 · 127), it is added in int16 for all 16 rows at once: three instructions a group, not six
- * (int2, group 64, hot, one thread: +2-3 %). */
+ * added, INT16_MERGED, add there: rows 0-7 | 8-15 in one vector, widened with one extract. Where the zero term fits
+ * beside them too, ZEROS_IN_INT16 (|z·zero_coef| ≤ (2^b − 1) · 2 · tiles · 8 · 127), it is added in int16 for all 16
+ * rows at once: three instructions a group, not six (docs/performance.md, "LUT-GEMV on AVX2"). */
 #define INT16_MERGED(bits, tiles) ((bits) <= 5 && (tiles) * ((1 << (bits)) - 1) * 8 * 127 <= 32767)
 #define ZEROS_IN_INT16(bits, tiles) ((bits) <= 5 && (tiles) * ((1 << (bits)) - 1) * 24 * 127 <= 32767)
 #define ISA_OWN_GROUP_TOTAL
@@ -253,9 +251,8 @@ static inline __attribute__((always_inline)) void i8_tile_dots(vi acc[], const v
 }
 
 /* GCC schedules the LUT-GEMV with register pressure in mind: without it the int4 tile's 16 registers overflow and
- * its group sums go through the stack (llvm-mca: a loop-carried spill). Hot 1024², one thread, int4 36.0-36.6 →
- * 39.4-39.5 GB/s of weights, cold 4096² 36.0 → 37.4; int2 within ±2 %. Not for the whole file: the bf16 GEMM
- * and GEMV lost 2-13 % with it. */
+ * its group sums go through the stack (llvm-mca: a loop-carried spill). Not for the whole file: the bf16 GEMM and
+ * GEMV are slower with it (docs/performance.md, "LUT-GEMV on AVX2"). */
 #if defined(__GNUC__) && !defined(__clang__)
 #define ISA_GEMV_BEGIN _Pragma("GCC push_options") _Pragma("GCC optimize(\"schedule-insns\", \"sched-pressure\")")
 #define ISA_GEMV_END _Pragma("GCC pop_options")

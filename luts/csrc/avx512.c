@@ -102,8 +102,8 @@ static inline __attribute__((always_inline)) void tile_dot(vi a[][ACC], const ui
     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, positions, 0xEA);
     const __m512i weight = _mm512_set1_epi8((char)(1 << i));
     /* Planes i and i + 1 share an accumulator pair: at 1-2 bits all go to one pair, as a group has only
-     * 2-8 dot products a pair and each extra accumulator costs an add per group (int2 +1-5 % of DRAM
-     * bandwidth on Zen 4, the most when compute is short); at 4 bits two pairs do as well as four. */
+     * 2-8 dot products a pair and each extra accumulator costs an add per group; at 4 bits two pairs do as
+     * well as four (docs/performance.md, "LUT-GEMV on AVX-512"). */
     vi *pair = a[0] + 2 * (i / 2) % ACC;
     pair[0] = _mm512_dpbusd_epi32(pair[0], weight, _mm512_permutexvar_epi8(lo, t->lo));
     pair[1] = _mm512_dpbusd_epi32(pair[1], weight, _mm512_permutexvar_epi8(hi, t->hi));
@@ -113,7 +113,7 @@ static inline __attribute__((always_inline)) void tile_dot(vi a[][ACC], const ui
  * per vector and pays four broadcasts per run): the eight odd entries are ((x0 ± x1) ± x2) ± x3
  * across lanes, the same fp32 operations in the same order as the shared builder's, each even entry
  * is its mirror's negation, and a byte transpose (vpermi2b) turns the entry-major bytes into the
- * run-major tables. Bit-identical to the shared builder; 4096 inputs 3.0 → 2.3 µs on Zen 4. */
+ * run-major tables. Bit-identical to the shared builder, and faster (docs/performance.md, "Activation tables"). */
 #define ISA_OWN_TABLES
 
 /* x_j of runs c = 0..15 (x[4c + j]) in lane c, from 16 runs' inputs (8: the rest are zero). */

@@ -15,8 +15,9 @@
 
 #include "lut.h"
 
-/* Lanes per vector: 512-bit registers where the build has them (one AVX-512 core streams ~2x the
- * weights of the 256-bit loop, which was compute-bound at ~15 GB/s a thread), 256-bit elsewhere. */
+/* Lanes per vector: 512-bit registers where the build has them (the 256-bit loop is compute-bound on one
+ * AVX-512 core, which streams more weights with wider vectors: docs/performance.md, "bf16 GEMV"), 256-bit
+ * elsewhere. */
 #if defined(__AVX512F__)
 #define VL 16
 #else
@@ -28,22 +29,22 @@ typedef float fvec __attribute__((vector_size(VL * 4)));
 typedef uint32_t uvec __attribute__((vector_size(VL * 4)));
 
 #define BF16_ROWS 4       /* rows per pass: x is loaded once for four weight streams */
-#define BF16_L1_AHEAD 4096 /* elements: 8 KB (2 KB ran 15-25 % slower on Zen) */
-/* A one-row GEMV's single stream: into L2 16 KB ahead, into L1 4 KB ahead (Zen 4, two threads, cold 3 MB
- * matrices: 8/2 KB 0.87-0.95 of the read bandwidth, 16/4 KB 0.90-0.98, 24/4 KB 0.89-0.93). */
+#define BF16_L1_AHEAD 4096 /* elements: 8 KB (2 KB was too near: docs/performance.md, "bf16 GEMV") */
+/* A one-row GEMV's single stream: into L2 16 KB ahead, into L1 4 KB ahead, the best of the distances tried
+ * (docs/performance.md, "bf16 GEMV"). */
 #define BF16_FAR 8192 /* elements */
 #define BF16_NEAR 2048
 
 /* VL 32-bit words of bf16 pairs widen with no shuffle: the even element of each pair is the
  * word shifted left 16, the odd one the word with its low half cleared. So x is split once into
  * its even and odd elements, and every weight costs a load, a shift or an and, and a multiply-add
- * (a zero-extending widen needs cross-lane shuffles, one port's worth, and ran at a third). */
+ * (a zero-extending widen needs cross-lane shuffles, one port's worth, and was far slower). */
 static inline void widen_pairs(const uint16_t *p, fvec *even, fvec *odd) {
     uvec w, lo, hi;
     memcpy(&w, p, sizeof w);
 #if defined(__AVX2__) && (defined(__GNUC__) || defined(__clang__))
-    /* In a register: GCC folded the load into both the shift and the and, two load-port slots per vector (AVX2,
-     * 2 threads, 4-16 rows of 768x2048: 0.82-0.87 of the time; one row unchanged). */
+    /* In a register: GCC folded the load into both the shift and the and, two load-port slots per vector, which
+     * held back the multi-row GEMV (docs/performance.md, "bf16 GEMV"). */
     __asm__("" : "+x"(w));
 #endif
     lo = w << 16;
@@ -52,8 +53,8 @@ static inline void widen_pairs(const uint16_t *p, fvec *even, fvec *odd) {
     memcpy(odd, &hi, sizeof *odd);
 }
 
-/* c + a·b, fused where the build has FMA: one instruction for two (2 threads, 2-16 rows of 768 x 2048: AVX-512
- * 0.72-0.87 of the time, AVX2 cold matrices 0.90-0.98; one row, which reading bounds, unchanged). */
+/* c + a·b, fused where the build has FMA: one instruction for two, which speeds up the multi-row GEMV (one row is
+ * bound by reading: docs/performance.md, "bf16 GEMV"). */
 static inline fvec fma_(fvec a, fvec b, fvec c) {
 #if defined(__AVX512F__)
     return _mm512_fmadd_ps(a, b, c);
@@ -116,10 +117,9 @@ static void bf16_block_pair(const bf16_job *job, int i, const uint16_t *const *w
 /* Output r of activation rows 0 .. mr-1 (mr ≤ BF16_NARROW, one for decode), its weight row w streamed alone and
  * each weight vector widened once for all mr rows: the same two accumulators and order as a row of bf16_block's
  * four, so bit-identical to it. Row after row the weights are one contiguous read, which the prefetches keep ahead
- * of; four rows side by side are four streams a row apart, which read cold matrices at 0.74-0.84 of the bandwidth
- * on two Zen 4 threads where this reads 0.87-1.0 (a decode step's 3 MB experts). On AVX2 bf16_block also waits on
- * memory at 2-3 rows of x, where this streams (2 threads, cold 768 x 2048: 2 rows 29-39 → 50-54 GMAC/s, 3 rows
- * 46-57 → 62-78); AVX-512's pairs of rows stay ahead there. */
+ * of; four rows side by side are four streams a row apart, which read cold matrices at a lower share of the
+ * bandwidth. On AVX2 bf16_block also waits on memory at 2-3 rows of x, where this streams; AVX-512's pairs of rows
+ * stay ahead there (docs/performance.md, "bf16 GEMV"). */
 #if VL == 8
 #define BF16_NARROW 3
 #else
@@ -180,8 +180,8 @@ static void bf16_block(const bf16_job *job, int r) {
                 if (i == 0) /* each row's line 8 KB ahead into L1 */
                     for (int j = 0; j < BF16_ROWS; j++) __builtin_prefetch(w[j] + kk + BF16_L1_AHEAD, 0, 3);
                 if (line == i) /* the next block's lines into L2, every m-th in each pass (line = kk / 32 mod m): as a
-                                * burst in the first pass, cold 768x2048 on 2 threads ran 4 rows at 60 GMAC/s, not
-                                * 71-75, and 8 rows at 82, not 87-91 */
+                                * burst in the first pass they held up the loads of the rows in use (cold matrices,
+                                * docs/performance.md, "bf16 GEMV") */
                     for (int j = 0; j < BF16_ROWS; j++) __builtin_prefetch(w[j] + kk + next, 0, 2);
                 line = line + 1 == job->m ? 0 : line + 1;
             }

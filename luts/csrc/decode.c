@@ -3,8 +3,8 @@
  * a MoE layer, and a whole decode step (embedding, every layer, final norm, LM head).
  *
  * Through the graph interpreter a token's layer is some forty Python-level steps, each a trip through host state
- * that the weights streamed since have evicted: at Qwen3-30B-A3B widths ~300 µs of attention and ~370 µs of
- * experts a layer beside ~650 µs of weight reads. Here each block is a few parallel jobs: the matrices that read
+ * that the weights streamed since have evicted: at Qwen3-30B-A3B widths they cost about as much as the layer's
+ * weight reads (docs/performance.md, "Fused decode"). Here each block is a few parallel jobs: the matrices that read
  * one activation streamed as one run on one table build (q, k, v; every expert's gate and up), then the rest.
  * The matrices are fp32, bf16 or LUT-packed, per matrix; each bf16 or LUT GEMV equals its own call's result bit for
  * bit, and the rest is the graph ops' arithmetic in another summation order.

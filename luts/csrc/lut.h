@@ -19,20 +19,16 @@
 /* The GEMV requests every weight cache line twice: into L2 12 KB ahead (hardware prefetchers stop at
  * 4 KB pages, and a compute-heavy loop keeps too few misses in flight on its own), then into L1
  * 6 KB ahead (an L2 hit still stalls the loop). Only the second goes to L1: each byte is used
- * once, and lines brought in far ahead would evict the tables and tiles in use. On Zen 4 (4096²
- * GEMV, one thread, as a share of the fastest plain read of the same bytes): L2 16 KB + L1 2 KB
- * 0.80 (int4) / 0.85 (int2); L2 32 KB, again 16 KB, and L1 6 KB 0.92-0.96 / 0.84-0.94. That middle
- * request (for prefetches the memory system drops when its queues are full) then cost more
- * instructions than it brought. On a Zen 5 VM 32 KB ahead was too far (at ~40 GB/s a core, 12 KB
- * is ~300 ns, twice DRAM's latency; lines further ahead only hold the miss queues): cold 4096²,
- * interleaved, one thread, 32 → 12 KB, AVX-512 int4 +7-10 %, int2 +2-6 %, AVX2 +0-4 %; two threads
- * -2 to +10 %; `bench lut` one thread AVX-512 int4 0.85-0.90 → 0.94-0.98 of the read. 16 KB was
- * between the two, 8 KB below 12 on int2. */
+ * once, and lines brought in far ahead would evict the tables and tiles in use. A third request
+ * between the two (for prefetches the memory system drops when its queues are full) cost more
+ * instructions than it brought. 12 KB is about twice DRAM's latency at one core's read rate: lines
+ * further ahead only hold the miss queues (32 KB, tuned on Zen 4, was too far on a Zen 5 VM), and
+ * nearer measured worse at int2. Measurements: docs/performance.md, "LUT-GEMV prefetch". */
 #define LUT_PREFETCH_FAR 12288
 #define LUT_PREFETCH_L1 6144
 /* Scales and zeros (elements ahead; a row block's group is 16 of each): 2 KB and 1 KB, as far ahead
- * in time as 16 KB of weights at 2 bits. At 256 (a quarter of that) int2 lost 2-3 % of bandwidth;
- * with the weights 12 KB ahead, 512, 768 and 2048 measured the same as 1024 (one thread, both ISAs). */
+ * in time as 16 KB of weights at 2 bits. A quarter of that cost int2 bandwidth; anywhere from half to
+ * twice it measures alike (docs/performance.md, "LUT-GEMV prefetch"). */
 #define LUT_PREFETCH_PARAMS 1024
 #define lut_prefetch_line(p)                                           \
     (__builtin_prefetch((const char *)(p) + LUT_PREFETCH_FAR, 0, 2), \
@@ -119,9 +115,8 @@ NPUMOE_API int npumoe_bf16_gemm_many(const npumoe_bf16_task *tasks, int count, i
 typedef void (*lut_range_fn)(void *ctx, int begin, int end);
 void lut_parallel(lut_range_fn fn, void *ctx, int units, int threads, int min_chunk);
 /* Bytes a chunk of a streaming job (GEMV, bandwidth probe) covers at least: each chunk restarts the
- * read stream, whose first 12 KB come without the far prefetch. A 4096² int2 GEMV on two threads
- * in 16 chunks of 300 KB reached 0.90-0.91 of the plain read, in 4 chunks 0.95 (and 0.81 → 0.91-0.93
- * when the VM's bandwidth jumped to 51 GB/s). */
+ * read stream, whose first 12 KB come without the far prefetch, so a matrix cut into many small
+ * chunks reads below the plain read's rate (docs/performance.md, "Streaming chunks"). */
 #define LUT_STREAM_CHUNK (1 << 20)
 /* Several matrices as one parallel job: their units (row blocks, rows) numbered one after another, task t's from
  * first[t], first[count] in all, so the threads stream one long run of weights instead of restarting (and waking)

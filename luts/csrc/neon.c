@@ -161,8 +161,8 @@ static inline void i8_store_tile(int8_t *to, const vi *q) {
  * a + r·k: activation word j of each 16 bytes is sdot's lane operand for codes[rv][h][j] (codes are 0-15, so
  * signed bytes too). Each code vector is loaded once for all the rows, and consecutive sdots add into different
  * accumulators, where row by row every row reloaded the tile's 32 code vectors and an in-order core's sdot waited
- * for the one before it (llvm-mca, `npumoe bench neon`, cycles for 4 rows a tile: X1 and A710 76 → 74, Apple M1
- * 45 → 44, A55 517 → 343; the big cores are held by their sdot issue rate either way). */
+ * for the one before it; the big cores are held by their sdot issue rate either way (llvm-mca estimates from
+ * `npumoe bench neon`: docs/performance.md, "bench neon"). */
 #define ISA_OWN_I8_ROWS
 #define I8_LANE_DOTS(j)                                                                                        \
     do {                                                                                                        \

@@ -29,9 +29,9 @@
 #endif
 
 /* How long a worker spins for the next job before it sleeps. By time, not by rounds: a pause lasts
- * from a few cycles (AMD Zen) to ~140 (Intel Skylake+), and 20,000 of them kept a worker spinning
- * for ~0.5 ms after each job on a 2-core Zen VM, where torch's own threads then waited for its core
- * (a 28 µs index_add_ after a bf16 GEMV took 350 µs). 30 µs covers the gap between the GEMVs of one
+ * from a few cycles (AMD Zen) to ~140 (Intel Skylake+), and a fixed count of them kept a worker
+ * spinning long after each job on a 2-core Zen VM, where torch's own threads then waited for its
+ * core (docs/performance.md, "Thread pool"). 30 µs covers the gap between the GEMVs of one
  * decode step's expert. */
 #define SPIN_NS 30000LL
 
@@ -142,7 +142,8 @@ void lut_parallel(lut_range_fn fn, void *ctx, int units, int threads, int min_ch
     run_chunks(job, 0);
     /* Wait for chunks still held by workers: spin a little, then yield. On a busy machine the worker
      * holding the last chunk may be waiting for this very core, and a caller that only spins keeps it
-     * off until the scheduler preempts it (seen: decode 20x slower beside one CPU-bound process). */
+     * off until the scheduler preempts it (seen beside one CPU-bound process: docs/performance.md,
+     * "Thread pool"). */
     const long long spin_until = now_ns() + SPIN_NS;
     for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < chunks;)
         if (++spins % 64 || now_ns() < spin_until)

@@ -1,10 +1,11 @@
 /* The LUT-GEMV as a CPython function, for the decode path's calls from Python.
  *
- * Through ctypes, a 4096² int2 GEMV call spent ~10 µs in Python before the kernel started (numpy
- * attribute reads, buffer views, argument conversion, each a trip to memory with the caller's
- * objects evicted by the weights streamed since): 5-7 % of the GEMV. Here the same checks take
- * one buffer request per array. The module is optional: luts/build.py compiles it on first use
- * when Python's headers are present, and the ctypes path serves otherwise.
+ * Through ctypes, a GEMV call spent a measurable share of even a 4096² GEMV in Python before the
+ * kernel started (numpy attribute reads, buffer views, argument conversion, each a trip to memory
+ * with the caller's objects evicted by the weights streamed since: docs/performance.md, "Call
+ * overhead"). Here the same checks take one buffer request per array. The module is optional:
+ * luts/build.py compiles it on first use when Python's headers are present, and the ctypes path
+ * serves otherwise.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -175,8 +175,8 @@ static inline __attribute__((always_inline)) void gemv_rows(const lut_weight *w,
 
 /* At 1-2 bits a group is at most four tiles, and a loop over a run-time count of them costs as much
  * as the tiles (accumulators copied between registers each time round, the loop set up per group):
- * with the count fixed at compile time the group is straight-line code. int2 from DRAM +2-3 % on
- * Zen 4; at 4 bits the same code is no faster. */
+ * with the count fixed at compile time the group is straight-line code. At 4 bits the same code is
+ * no faster (docs/performance.md, "LUT-GEMV group loop"). */
 #define WITH_TILES_PER_GROUP(call, bits, group) \
     if ((bits) > 2)                             \
         call((group) / LUT_TILE_K);             \
@@ -196,7 +196,7 @@ static inline __attribute__((always_inline)) void gemv_bits(const lut_weight *w,
 
 void ISA(gemv)(const lut_weight *w, const lut_tables *t, int rb0, int rb1, float *y, int32_t *acc) {
 /* acc NULL (every call but the accumulators' tests) a constant: the group loop without its stores keeps its pointers
- * in registers (hot, one thread: AVX2 int2 +5 %, int4 +2 %; AVX-512 +2-4 %). */
+ * in registers (docs/performance.md, "LUT-GEMV group loop"). */
 #define GEMV(b)                                           \
     if (acc)                                              \
         gemv_bits(w, t, rb0, rb1, y, acc, b);             \
@@ -291,7 +291,7 @@ ISA_GEMV_END
 /* Level 1 of the dequantisation (byte j of the spec's repack word, a plane at a time), from one vector of each of
  * a tile's planes split into nibbles (nib[h][i]: nibble h of plane i): byte b of q[h] is the code of the input
  * whose index is nibble h of byte b, position j within its run of four. One j at a time, so a caller can use each
- * before the next (dequant_tile: 8 codes vectors live at once spill AVX2's registers, 3 % of its GEMM). */
+ * before the next (dequant_tile: 8 codes vectors live at once spill AVX2's registers and slow its GEMM). */
 static inline __attribute__((always_inline)) void plane_nibbles(const vi *v, const int bits, vi nib[2][8]) {
     for (int i = 0; i < bits; i++) {
         nib[0][i] = i_nibble(v[i], 0);
@@ -390,12 +390,10 @@ void ISA(gemm)(const lut_weight *w, const float *xt, int m_pad, int m, int rb0, 
  * zero-padded). Nothing is transposed but the activations (bf16_xtb), and y = x · Wᵀ is exact fp32 arithmetic on the
  * widened weights, in input order (torch's F.linear on W.float(), to summation order; the last few rows,
  * bf16_dot_chunk, sum in W interleaved partial sums). Each chunk is widened once
- * for all the activation blocks of a BF16_M_TILE tile, whose accumulators go to a small scratch between chunks; when
- * a pass widened its rows for every 16 activation rows, the widening's instructions held the multiply-adds to 80 % of
- * the FMA ports' rate (AVX2, 2 threads, hot: 64x768x2048 0.98 -> 0.78 ms, 256x4096x2048 19.1 -> 17.2; the ports
- * run ~138 GMAC/s). A prompt's experts get ragged row counts and cold weights: a last block of at most 8 rows takes
- * half the vectors (17-24 rows 0.46 -> 0.42 ms), and widening a chunk asks for the next pair's same inputs (16-48
- * rows, 48 cold 768x2048 matrices: 0.30-0.80 -> 0.27-0.77 ms a matrix, and with the chunks 0.24-0.60). */
+ * for all the activation blocks of a BF16_M_TILE tile, whose accumulators go to a small scratch between chunks: when
+ * a pass widened its rows for every 16 activation rows, the widening's instructions held the multiply-adds below the
+ * FMA ports' rate. A prompt's experts get ragged row counts and cold weights: a last block of at most 8 rows takes
+ * half the vectors, and widening a chunk asks for the next pair's same inputs (docs/performance.md, "bf16 GEMM"). */
 #define BF16_NV (16 / W) /* vectors of activation rows a pass: 12 accumulators on AVX2, 24 on NEON */
 #define BF16_KC 256      /* inputs widened at a time: 12 KB a pair of blocks */
 #define BF16_M_TILE 128  /* activation rows a widened chunk serves (their xᵀ chunk: 128 KB, in L2) */
@@ -422,9 +420,9 @@ static inline __attribute__((always_inline)) void bf16_gemm_chunk(const float *x
         for (int v = 0; v < NV; v++) f_store(acc[j] + v * W, c[j][v]);
 }
 
-/* xtb blocks blk0 .. blk1-1 from x [m][k], rows past m zero: W × W transposes, 16 / W a block for every W inputs.
- * (Element by element on the calling thread, x [64][2048] took ~0.1 ms beside the 1 ms of its product with 768 rows;
- * this takes ~0.03 ms on AVX2's two threads.) */
+/* xtb blocks blk0 .. blk1-1 from x [m][k], rows past m zero: W × W transposes, 16 / W a block for every W inputs, on
+ * all threads (element by element on the calling thread, the transpose was a noticeable share of the product:
+ * docs/performance.md, "bf16 GEMM"). */
 void ISA(bf16_xtb)(const float *x, int m, int k, int blk0, int blk1, float *xtb) {
     for (int b = blk0; b < blk1; b++)
         for (int h = 0; h < 16 / W; h++) {
@@ -441,9 +439,7 @@ void ISA(bf16_xtb)(const float *x, int m, int k, int blk0, int blk1, float *xtb)
 /* tail[t][j] (+)= W lanes of partial dot products of activation row t of x (row-major: the last `rows` ≤
  * BF16_DOT_TAIL of the call) with widened weight row j over one chunk. The few rows past the last whole 8
  * (BF16_BLOCK_ROWS) take dot products on the chunk already widened instead of filling a block with padding rows,
- * which a prompt's experts, each with its own row count, paid for 4-9 % of their rows (AVX2, 2 threads, 48 cold
- * 768x2048 matrices, interleaved, GMAC/s: 17 rows 74 → 95, 20 87 → 97, 25 88 → 101, 36 102 → 113; 16 and 64
- * unchanged; a 256-token prefill's expert GEMMs 169 → 155 ms). */
+ * which a prompt's experts, each with its own row count, paid for (docs/performance.md, "bf16 GEMM"). */
 static inline __attribute__((always_inline)) void bf16_dot_chunk(const float *x, int k, int rows, int k0, int kc,
                                                                 const float (*wide)[BF16_KC], const int JR,
                                                                 vf (*tail)[2 * BF16_GEMM_ROWS], const int first) {

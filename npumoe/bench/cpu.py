@@ -36,8 +36,8 @@ LLAMA_FTYPES = {"Q4_0": 2, "Q2_K": 10}  # llama_ftype values (llama.h)
 GOALS = {"bf16": 0.9, "int4": 1.0, "int2": 1.0}  # npumoe decode tok/s ÷ llama.cpp's, issue 18
 PREFILL_GOAL = 0.8  # npumoe prefill tok/s ÷ llama.cpp's, every format
 THREADS = 2
-# Untimed rounds first: after one, the next round's first prefill still ran 15-20 % slow here (npumoe bf16 602 tok/s,
-# then 712-760; llama.cpp F16 852, then 888-898): a fresh process's memory settles over the first few seconds.
+# Untimed rounds first: after one, the next round's first prefill still ran slow for both engines (docs/performance.md,
+# "bench cpu"): a fresh process's memory settles over the first few seconds.
 WARMUP_ROUNDS = 2
 LLAMA_MISSING = "llama.cpp rows need llama-cpp-python and gguf: pip install 'npumoe[bench]'"
 
@@ -187,7 +187,7 @@ def run(console: Console, rounds: int, prefill_tokens: int,
         decode_tokens: int) -> tuple[list[Row], float, str | None]:
     """Both engines' rows (medians of the rounds), and the machine's read bandwidth in GB/s: the best of a probe
     run in every round, between the engines, since a shared machine's bandwidth moves during a run (one probe
-    after the rounds had read 38-65 GB/s where decode streamed up to 48)."""
+    after the rounds could read less than decode had streamed: docs/performance.md, "bench cpu")."""
     with_llama = all(importlib.util.find_spec(m) for m in ("llama_cpp", "gguf"))
     paths = prepared(console, with_llama)
     rng = np.random.default_rng(0)

@@ -8,10 +8,10 @@ with all of them:
   * streaming-read bandwidth: a plain read of the same bytes (another copy of the weight),
     timed alternately with the GEMV calls, once left to the hardware prefetchers and once
     with software prefetch; the faster read's median over the GEMV's is the GEMV's share of
-    the bandwidth. Alternating matters on a shared machine: from one pass to the next a
-    read's bandwidth swings by a third here, so a median GEMV compared with the best of a
-    few separate read passes reads about 0.8 even for a kernel that is a pure read. The
-    best 256 MB read pass is printed as the peak;
+    the bandwidth. Alternating matters on a shared machine: a read's bandwidth swings from
+    one pass to the next, so a median GEMV compared with the best of a few separate read
+    passes reads well below 1 even for a kernel that is a pure read (docs/performance.md,
+    "Measuring on a shared machine"). The best 256 MB read pass is printed as the peak;
   * speedups over an fp32 GEMV (torch, rotated fp32 copies) and over dequantise-then-GEMV
     (the kernels' LUT dequantiser writing fp32 W, then the same fp32 GEMV);
   * prefill, M = 64: what npumoe::lut_linear runs for 64 rows on this build (the LUT-GEMV, the int8 GEMM or the

@@ -201,9 +201,9 @@ def decode_rate_bound(ckpt: Path) -> dict:
 def mapped_reader(ckpt: Path, nbytes: int = 1 << 30, passes: int = 3) -> Callable[[], float]:
     """A probe of the bytes/s this machine streams from the checkpoint's own mapped weights (the first GB of its
     tensors, read once to bring them into the page cache): each call gives the best of ``passes`` timed passes
-    (the first ones run slower: 37-42 GB/s, then 49-51). What decode reads, pages and all. A scratch buffer
-    misleads both ways here: 256 MB read at 53-64 GB/s on a 2-vCPU EPYC whose guest sees a 32 MB L3, and a buffer
-    on fragmented 4 KB pages at ~35."""
+    (the first ones run slower). What decode reads, pages and all. A scratch buffer misleads both ways: partly
+    served from a last-level cache the guest does not see, or slowed by fragmented 4 KB pages (docs/performance.md,
+    "Read-bandwidth probe")."""
     from npumoe.luts.kernels import kernels
     from npumoe.models.loader import load
 

@@ -86,13 +86,13 @@ class Engine:
         self.spec = model.spec
         if artifacts is not None:
             from npumoe.core.compiler.artifacts import check_built_for, read_manifest, target_directory
-            from npumoe.core.planning.plan import Plan
+            from npumoe.core.planning.plan import artifacts_plan
 
             artifacts = target_directory(artifacts, backend)  # a multi-target build: this backend's part
             manifest = read_manifest(artifacts, verify=False)  # files are verified when loaded
             check_built_for(manifest, artifacts, model)  # before its plan's check, so the message names the artifacts
             chunk, max_context = manifest["chunk"], manifest["max_context"]
-            plan = plan if plan is not None else Plan.from_json(manifest["plan"])
+            plan = artifacts_plan(manifest, artifacts, plan)  # theirs: another would run their graphs wrongly
         elif backend != "cpu":
             raise InputError(f"backend {backend!r} runs built artifacts: run npumoe build --target {backend} "
                              "first and pass artifacts=OUT.")

@@ -307,3 +307,24 @@ def test_impossible_plan_values_are_named_before_running(tiny, built, tmp_path, 
         npumoe.Engine(npumoe.load(tiny), plan=npumoe.Plan.load(tmp_path / "plan.json"))
     assert "make a new one with npumoe plan" in cli_error(capsys, "generate", "--model", str(tiny), "--plan",
                                                           str(tmp_path / "plan.json"), "--ids", "1")
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_not_replaced(tiny, tmp_path, capsys):
+    """A shell in another locale hands bytes that are not UTF-8 to Python as lone surrogates: they were a
+    UnicodeEncodeError traceback; replaced by U+FFFD they would continue another prompt than the one given."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    not_utf8 = b"def f\xff(x)".decode("utf-8", errors="surrogateescape")
+    demo = npumoe.load()
+    with pytest.raises(InputError, match="the prompt is not valid UTF-8: character 5 is the byte 0xff"):
+        demo.tokenizer.encode(not_utf8)
+    assert demo.tokenizer.encode("def f\u00ff(x)") == list("def f\u00ff(x)".encode())  # valid text still encodes
+    assert "pass token ids with --ids" in cli_error(capsys, "generate", "--prompt", not_utf8, "-n", "1")
+    path = copy_checkpoint(tiny, tmp_path / "m")
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "def": 1}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(path / "tokenizer.json"))
+    hf = npumoe.load(path).tokenizer
+    assert hf.encode("def def") == [1, 1]
+    with pytest.raises(InputError, match="character 1 is the lone surrogate U\\+D800"):
+        hf.encode("d\ud800ef")

@@ -107,6 +107,30 @@ def test_token_outside_vocabulary(tiny, capsys):
     assert "outside the vocabulary" in cli_error(capsys, "generate", "--model", str(tiny), "--ids", "3,99")
 
 
+def decode_after_a_prompt(engine, token):
+    engine.generate([1, 2], max_new_tokens=1)
+    return engine.decode(token)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda eng, m: eng.generate([1, 2], max_new_tokens=-3), "max_new_tokens must be a whole number ≥ 0, got -3"),
+    (lambda eng, m: eng.generate([1, 2], max_new_tokens=2.5), "max_new_tokens must be a whole number ≥ 0, got 2.5"),
+    (lambda eng, m: eng.decode(5), "decode continues a sequence, and none has started: run forward or generate"),
+    (lambda eng, m: decode_after_a_prompt(eng, "7"), "a token id must be a whole number ≥ 0, got '7'"),
+    (lambda eng, m: npumoe.Engine(m, chunk=-1), "chunk must be a whole number ≥ 1, got -1"),
+    (lambda eng, m: npumoe.Engine(m, max_context=2.5), "max_context must be a whole number ≥ 1, got 2.5"),
+    (lambda eng, m: npumoe.calibrate(m, []), "no calibration text was given"),
+    (lambda eng, m: npumoe.calibrate(m, None), "calibrate takes a list of texts"),
+    (lambda eng, m: npumoe.calibrate(m, [list(range(20))], chunk=0), "chunk must be a whole number ≥ 1, got 0"),
+])
+def test_library_calls_out_of_range_raise_typed_errors(tiny, call, message):
+    """A negative max_new_tokens silently returned nothing, a decode before any prompt or a chunk of 0 failed as
+    an IndexError, ZeroDivisionError or a torch error deep inside."""
+    model = npumoe.load(tiny)
+    with pytest.raises(InputError, match=message):
+        call(npumoe.Engine(model, chunk=4, max_context=16), model)
+
+
 def test_prompt_longer_than_cache(tiny):
     eng = npumoe.Engine(npumoe.load(tiny), chunk=4, max_context=8)
     with pytest.raises(InputError, match="KV cache"):

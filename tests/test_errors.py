@@ -164,7 +164,8 @@ def with_config(tiny, tmp_path, **edits):
     (dict(rope_scaling={"rope_type": "linear"}), "rope_scaling.rope_type is 'linear', which needs 'factor', but it "
                                                  "has none"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "'llama3', which needs 'low_freq_factor'"),
-    (dict(rope_scaling={"type": "yarn", "factor": "4"}), "rope_scaling.factor is '4', but it must be a positive number"),
+    (dict(rope_scaling={"type": "yarn", "factor": "4"}), "rope_scaling.factor is '4', but it must be a positive "
+                                                         "number"),
     (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0]}),
      r"short_factor has 1 values, but the 16 rotated dims of a head take one per pair, 8"),  # was broadcast silently
     (dict(rope_scaling={"partial_rotary_factor": "0.5"}), r"partial_rotary_factor is '0.5', but it must be a number in "

@@ -164,7 +164,8 @@ def _check_plan(out_dir: Path, manifest: dict) -> None:
     for name in ("chunk", "target"):
         if manifest[name] != manifest["plan"].get(name):
             raise ArtifactError(f"{where} holds {name} {manifest[name]!r:.30} but its plan's is "
-                                f"{manifest['plan'].get(name)!r:.30}; the manifest was altered, rebuild with npumoe build.")
+                                f"{manifest['plan'].get(name)!r:.30}; the manifest was altered, rebuild with npumoe "
+                                "build.")
 
 
 def _strings(value) -> list[str]:
@@ -235,6 +236,9 @@ def _check_described(out_dir, graph: Graph, entry: dict) -> None:
             raise altered(f"{key} as {entry.get(key)!r:.60}, but this model and plan give {wanted!r:.60}")
     if not _whole(entry.get("bytes", 0), 0):
         raise altered(f"size as {entry['bytes']!r:.30} bytes")
+    files = entry.get("files", [])
+    if not (isinstance(files, list) and all(isinstance(f, str) for f in files)):
+        raise altered(f"files as {files!r:.60}, not a list of paths")
 
 
 def load_executors(backend, out_dir: str | Path, graphs: list[Graph], weights, model) -> dict:

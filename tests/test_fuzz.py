@@ -311,6 +311,7 @@ CAPACITY = ("plan", "layers", "1", "groups", 0, "shapes")  # layer 1's first gro
 @example(edits=[((*CAPACITY, 0, 0), 2 ** 63)], resign=True)  # an OverflowError in the runtime (hypothesis 6.170)
 @example(edits=[((*CAPACITY, 1), 0)], resign=True)  # a capacity for a shape: TypeError reading the plan (6.170)
 @example(edits=[(("graphs", "L1.experts.g0.p2", "files"), None)], resign=False)  # TypeError loading it (long run)
+@example(edits=[(("graphs", "L0.experts.g0.d"), "\x00")], resign=False)  # ValueError checking it as a path (long run)
 def test_fuzzed_manifest_is_refused_or_runs(artifacts, built, reference, tmp_path, edits, resign):
     """``resign``: the edited plan's sha256 recorded too, as a buggy writer would, so the checks behind the hash
     are fuzzed as well. The artifacts record the plan and chunk they run with: a run of a manifest that is not

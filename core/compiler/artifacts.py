@@ -182,6 +182,9 @@ def _check_paths_inside(out_dir: Path, names: list[str]) -> None:
     before anything is opened."""
     root = out_dir.resolve()
     for name in names:
+        if "\x00" in name:  # no file system path holds one (and resolve() raises ValueError on it)
+            raise ArtifactError(f"{out_dir / MANIFEST} names {name!r}, which no path can hold; the manifest was "
+                                "altered, rebuild with npumoe build.")
         if not (root / name).resolve().is_relative_to(root):
             raise ArtifactError(f"{out_dir / MANIFEST} names {name!r}, which lies outside {out_dir}; the manifest "
                                 "was altered, rebuild with npumoe build.")

@@ -7,6 +7,13 @@ npumoe's own source code, and anything else the backend names (the HTP's calibra
 A unit is lowered into a temporary directory inside the cache and renamed into place only when complete, so a
 build killed halfway leaves every finished unit cached and none half-written; rerunning
 it links the finished units into the new artifact directory and compiles the rest.
+
+Artifacts stay hard links into the cache (copies where the cache is on another file system): a real-size build
+is gigabytes, and copying it would double its disk and time. Linked files are read-only, and damage that gets
+through (a chmod, a tool writing in place: through one link it is in every link) is caught on both sides: the
+artifact directory's manifest no longer verifies, and the cache checks every file of an entry against the size
+and sha256 recorded in its ``entry.json`` before linking it again, lowering the unit afresh on any mismatch, so
+a damaged file is never linked into, and signed by, a new manifest.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from npumoe.core.base.errors import InputError
+from npumoe.core.base.io import sha256_file
 from npumoe.core.base.native import cache_dir
 from npumoe.core.ir.graph import Graph
 
@@ -87,11 +95,13 @@ class BuildCache:
     def fill(self, key: str, lower: Callable[[Path], dict]) -> tuple[dict, bool]:
         """The unit's entries and whether they came from the cache; ``lower(dir)`` writes the unit's files
         under ``dir`` and returns its entries (graph name → entry, paths relative to ``dir``), each of
-        which gains ``seconds`` (compile time)."""
+        which gains ``seconds`` (compile time). A cached unit whose files fail verification is lowered again."""
         done = self.root / key
-        if self.has(key):
+        if (cached := self.verified(key)) is not None:
             self.hits += 1
-            return json.loads((done / ENTRY).read_text()), True
+            return cached, True
+        if done.exists():  # damaged, or from before files were recorded: replaced, never linked again
+            _remove(done, self.root)
         self.misses += 1
         work = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{key}."))
         try:
@@ -99,7 +109,7 @@ class BuildCache:
             entries = lower(work)
             seconds = (time.perf_counter() - start) / max(len(entries), 1)
             entries = {name: {**e, "seconds": round(seconds, 3)} for name, e in entries.items()}
-            (work / ENTRY).write_text(json.dumps(entries, sort_keys=True))
+            (work / ENTRY).write_text(json.dumps({"entries": entries, "files": _file_records(work)}, sort_keys=True))
             for path in work.rglob("*"):  # shared by hard links with every artifact: never edited in place
                 if path.is_file():
                     path.chmod(0o444)
@@ -111,6 +121,23 @@ class BuildCache:
             shutil.rmtree(work, ignore_errors=True)
             raise
         return entries, False
+
+    def verified(self, key: str) -> dict | None:
+        """The cached unit's entries if every file its entry.json records is there with the recorded size and
+        sha256 (sizes first: a truncated file fails unread) and no other file is; else None."""
+        done = self.root / key
+        try:
+            recorded = json.loads((done / ENTRY).read_text())
+            files, entries = recorded["files"], recorded["entries"]
+            if sorted(files) != sorted(_unit_files(done)):
+                return None
+            if any((done / rel).stat().st_size != size for rel, (size, _) in files.items()):
+                return None
+            if any(sha256_file(done / rel) != digest for rel, (_, digest) in files.items()):
+                return None
+            return entries
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     def unit(self, key: str, out_dir: Path, lower: Callable[[Path], dict]) -> dict:
         """The unit's manifest entries, from the cache or lowered now, its files linked into ``out_dir``;
@@ -189,12 +216,30 @@ def lower_units(units: list[BuildUnit], out_dir: Path, bar, task, jobs: int = 1)
     return entries
 
 
+def _unit_files(unit_dir: Path) -> list[str]:
+    """The unit's own files (its entry.json aside), relative to its directory."""
+    return sorted(str(p.relative_to(unit_dir)) for p in unit_dir.rglob("*") if p.is_file() and p != unit_dir / ENTRY)
+
+
+def _file_records(unit_dir: Path) -> dict[str, tuple[int, str]]:
+    """Size and sha256 of each of the unit's files, as its entry.json records them."""
+    return {rel: ((unit_dir / rel).stat().st_size, sha256_file(unit_dir / rel)) for rel in _unit_files(unit_dir)}
+
+
+def _remove(unit_dir: Path, root: Path) -> None:
+    """Move a unit out of the way first (a rename is atomic: no build sees it half deleted), then delete it."""
+    doomed = Path(tempfile.mkdtemp(dir=root, prefix=".removed.")) / unit_dir.name
+    try:
+        unit_dir.rename(doomed)
+    except OSError:  # another build removed or replaced it first
+        pass
+    shutil.rmtree(doomed.parent, ignore_errors=True)
+
+
 def _link_tree(src: Path, dst: Path) -> None:
     """Hard-link (copy across file systems) every file of ``src`` but its entry into ``dst``."""
-    for path in src.rglob("*"):
-        if path.is_dir() or path.name == ENTRY:
-            continue
-        target = dst / path.relative_to(src)
+    for rel in _unit_files(src):
+        path, target = src / rel, dst / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.link(path, target)

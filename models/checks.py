@@ -23,6 +23,13 @@ POSITIVE_NUMBERS = ("rms_norm_eps", "layer_norm_eps", "rope_theta")
 NUMBERS = ("routed_scaling_factor", "partial_rotary_factor", "router_jitter_noise", "swiglu_limit", "clip_qkv")
 TYPED = {"model_type": str, "hidden_act": str, "rope_scaling": dict, "rope_parameters": dict,
          "quantization_config": dict, "layer_types": list, "mlp_only_layers": list}
+# rope_scaling / rope_parameters: what each rope type reads, and the numbers any of them may hold
+ROPE_REQUIRED = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+                 "longrope": ("short_factor",)}
+ROPE_POSITIVE = ("factor", "rope_theta", "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow",
+                 "attention_factor")
+ROPE_NUMBERS = ("mscale", "mscale_all_dim", "long_mscale", "short_mscale")
+ROPE_FACTOR_LISTS = ("short_factor", "long_factor")
 
 
 def check_config(cfg: object, where: str = "config.json") -> dict:
@@ -44,7 +51,39 @@ def check_config(cfg: object, where: str = "config.json") -> dict:
     eos = cfg.get("eos_token_id")
     if eos is not None and not (_is_int(eos) or isinstance(eos, list) and all(map(_is_int, eos))):
         raise _bad(where, "eos_token_id", eos, "a token id or a list of them")
+    _check_rope(cfg, where)
     return cfg
+
+
+def _check_rope(cfg: dict, where: str) -> None:
+    """The rope settings, merged as the adapters merge them (rope_scaling over rope_parameters): every key its
+    type reads is there, and every number is one (a linear rope without its factor was a KeyError)."""
+    params = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}
+
+    def section(key: str) -> str:
+        return f"{'rope_scaling' if key in (cfg.get('rope_scaling') or {}) else 'rope_parameters'}.{key}"
+
+    named_by = "rope_type" if params.get("rope_type") else "type"
+    kind = params.get(named_by)
+    for key in ROPE_REQUIRED.get(kind, ()) if isinstance(kind, str) else ():
+        if params.get(key) is None:
+            raise UnsupportedModelError(f"{where}: {section(named_by)} is {kind!r}, which needs {key!r}, but it has "
+                                        "none; add it (the model card or the original config.json has it).")
+    present = {k: v for k, v in params.items() if v is not None}
+    for key in (k for k in ROPE_POSITIVE + ROPE_NUMBERS if k in present):
+        if not _is_number(present[key]) or (key in ROPE_POSITIVE and present[key] <= 0):
+            raise _bad(where, section(key), present[key], "a positive number" if key in ROPE_POSITIVE else "a number")
+    for key in (k for k in ROPE_FACTOR_LISTS if k in present):
+        factors = present[key]
+        if not (isinstance(factors, list) and factors and all(_is_number(f) and f > 0 for f in factors)):
+            raise _bad(where, section(key), factors, "a list of positive numbers")
+    if "partial_rotary_factor" in present and not (_is_number(present["partial_rotary_factor"])
+                                                   and 0 < present["partial_rotary_factor"] <= 1):
+        raise _bad(where, section("partial_rotary_factor"), present["partial_rotary_factor"], "a number in (0, 1]")
+    if "original_max_position_embeddings" in present and not (_is_int(present["original_max_position_embeddings"])
+                                                              and present["original_max_position_embeddings"] >= 1):
+        raise _bad(where, section("original_max_position_embeddings"), present["original_max_position_embeddings"],
+                   "a whole number ≥ 1")
 
 
 def check_spec(spec: ModelSpec, where: str = "config.json") -> ModelSpec:
@@ -55,6 +94,11 @@ def check_spec(spec: ModelSpec, where: str = "config.json") -> ModelSpec:
         if att.num_heads % att.num_kv_heads:
             raise UnsupportedModelError(f"{where}: num_attention_heads ({att.num_heads}) is not a multiple of "
                                         f"num_key_value_heads ({att.num_kv_heads}); fix one of them.")
+        rotated = att.rope.rotary_dim or (att.qk_rope_head_dim if att.kind == "mla" else att.head_dim)
+        short = att.rope.p.get("short_factor") if att.rope.kind == "longrope" else None
+        if short is not None and len(short) != rotated // 2:
+            raise UnsupportedModelError(f"{where}: rope short_factor has {len(short)} values, but the {rotated} "
+                                        f"rotated dims of a head take one per pair, {rotated // 2}; correct it.")
         if isinstance(ls.ffn, MoESpec):
             _check_routing(ls.ffn, where)
     return spec

@@ -1,4 +1,10 @@
-"""Text ↔ token ids. Byte-level for the demo model; a checkpoint's tokenizer.json otherwise."""
+"""Text ↔ token ids. Byte-level for the demo model; a checkpoint's tokenizer.json otherwise.
+
+A prompt that is not valid UTF-8 (a shell in another locale hands such bytes to Python as lone surrogates) is
+refused with the position and the fix rather than run with U+FFFD in place of its bytes: that would continue
+another prompt than the one given, with no sign of it. (Calibration text files are read with errors="replace":
+there a few replaced bytes do not change the routing statistics.)
+"""
 
 from __future__ import annotations
 
@@ -10,9 +16,20 @@ from npumoe.core.base.outputs import json_object
 MARKER = "npumoe_tokenizer.json"  # {"kind": "bytes"}: token id = byte value
 
 
+def utf8(text: str) -> bytes:
+    """The prompt's UTF-8 bytes, or an InputError naming the first character that has none."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(text[err.start])
+        what = f"the byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"the lone surrogate U+{code:04X}"
+        raise InputError(f"the prompt is not valid UTF-8: character {err.start} is {what}; give it as UTF-8 text (or "
+                         "pass token ids with --ids).") from None
+
+
 class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+        return list(utf8(text))
 
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
@@ -27,6 +44,7 @@ class HFTokenizer:
         self._tok = Tokenizer.from_file(str(path))
 
     def encode(self, text: str) -> list[int]:
+        utf8(text)
         return self._tok.encode(text).ids
 
     def decode(self, ids) -> str:

@@ -160,3 +160,38 @@ def test_a_change_to_npumoes_code_compiles_again(model, cpu_plan, lowered, tmp_p
     monkeypatch.setattr(build_cache, "code_digest", lambda: "an edited lowering")
     again = build(model, cpu_plan, "cpu", tmp_path / "b", progress=False)
     assert len(lowered) == len(first["graphs"]) and not any(g["cached"] for g in again["graphs"].values())
+
+
+def test_a_damaged_cache_entry_is_built_again_not_signed(model, cpu_plan, lowered, tmp_path, monkeypatch):
+    """Artifacts are hard links into the cache: a byte flipped in a built artifact is flipped in its cache entry
+    too. The next build must lower that unit again, not link the damaged file in and record its sha256."""
+    import os
+
+    from npumoe.backends.build_cache import graph_fingerprint
+    from npumoe.core.base.errors import ArtifactError
+    from npumoe.core.compiler.artifacts import read_manifest
+
+    counting = CpuBackend.lower
+
+    def writing_a_file(self, graph, weights, out_dir):  # as an NPU backend does (the CPU's lowering writes none)
+        (out_dir / f"{graph.name}.bin").write_text(repr(graph_fingerprint(graph)))
+        return dataclasses.replace(counting(self, graph, weights, out_dir), files=(f"{graph.name}.bin",))
+
+    monkeypatch.setattr(CpuBackend, "lower", writing_a_file)
+    first = build(model, cpu_plan, "cpu", tmp_path / "a", progress=False)
+    name, entry = next(iter(first["graphs"].items()))
+    damaged = tmp_path / "a" / entry["files"][0]
+    os.chmod(damaged, 0o644)  # read-only as built: damage needs a chmod, or root, or a tool writing in place
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    damaged.write_bytes(data)
+    lowered.clear()
+    again = build(model, cpu_plan, "cpu", tmp_path / "b", progress=False)
+    assert lowered == [name] and not again["graphs"][name]["cached"]  # that unit only, lowered afresh
+    assert again["files"] == first["files"]  # the bytes the first build signed, not the damaged ones
+    read_manifest(tmp_path / "b")
+    with pytest.raises(ArtifactError, match="no longer matches the sha256 in its manifest"):
+        read_manifest(tmp_path / "a")  # the damaged artifact itself is refused
+    lowered.clear()
+    build(model, cpu_plan, "cpu", tmp_path / "c", progress=False)
+    assert lowered == []  # the rebuilt entry is cached again

@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+from cli_check import cli_error
 from hf_compare import build_checkpoint, transformers
 
 import npumoe
@@ -175,6 +176,58 @@ def test_profile_from_another_model_is_refused(profile, tmp_path):
     other = byte_model(tmp_path / "other", experts=4)
     with pytest.raises(ArtifactError, match="another model"):
         plan(other, profile, target="htp")
+
+
+def first_layer(data: dict) -> dict:
+    return next(iter(data["layers"].values()))
+
+
+def nan_count(data):
+    first_layer(data)["loads"][0][0] = float("nan")
+
+
+def huge_count(data):
+    first_layer(data)["loads"][0][0] = 10 ** 30
+
+
+def negative_count(data):  # the chunk's sum kept: the count itself is what no calibration gives
+    row = first_layer(data)["loads"][0]
+    row[0], row[1] = -1000, row[1] + row[0] + 1000
+
+
+def a_token_too_many(data):
+    row = first_layer(data)["loads"][0]
+    row[row.index(min(row))] += 1
+
+
+def no_top_k(data):
+    del first_layer(data)["top_k"]
+
+
+def no_chunk(data):
+    del data["chunk"]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (nan_count, "loads hold the count nan, where 0 to the chunk's 32 tokens belong"),
+    (huge_count, "loads hold the count 1000000000000000000000000000000, where 0 to"),
+    (negative_count, "loads hold the count -1000, where 0 to the chunk's 32 tokens belong"),
+    (a_token_too_many, "loads do not count chunk 32 × top-k 2 = 64 routed tokens in every chunk"),
+    (no_top_k, "top_k is None, not a whole number ≥ 1"),
+    (no_chunk, "its 'chunk' is None, not a whole number ≥ 1"),
+])
+def test_impossible_profile_counts_are_named_before_planning(model, profile, tmp_path, capsys, edit, message):
+    """Negative counts planned groups "reading −1509.9 MB"; NaN, a missing field, a count past the chunk failed
+    deep in numpy, or planned from nonsense."""
+    data = profile.to_json()
+    edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ArtifactError, match=f"edited.json is damaged: .*{message}.*npumoe calibrate"):
+        RoutingProfile.load(path)
+    assert "make a new one with npumoe calibrate" in cli_error(
+        capsys, "plan", "--model", str(model.path), "--profile", str(path), "--target", "cpu", "--out",
+        str(tmp_path / "plan.json"))
 
 
 def test_plan_for_another_model_is_refused(model, profile, tmp_path):

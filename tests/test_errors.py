@@ -10,7 +10,7 @@ from hf_compare import build_checkpoint, transformers
 from safetensors.torch import load_file, save_file
 
 import npumoe
-from npumoe.core.base.errors import InputError, ModelDirError, UnsupportedModelError, WeightError
+from npumoe.core.base.errors import ArtifactError, InputError, ModelDirError, UnsupportedModelError, WeightError
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +107,30 @@ def test_token_outside_vocabulary(tiny, capsys):
     assert "outside the vocabulary" in cli_error(capsys, "generate", "--model", str(tiny), "--ids", "3,99")
 
 
+def decode_after_a_prompt(engine, token):
+    engine.generate([1, 2], max_new_tokens=1)
+    return engine.decode(token)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda eng, m: eng.generate([1, 2], max_new_tokens=-3), "max_new_tokens must be a whole number ≥ 0, got -3"),
+    (lambda eng, m: eng.generate([1, 2], max_new_tokens=2.5), "max_new_tokens must be a whole number ≥ 0, got 2.5"),
+    (lambda eng, m: eng.decode(5), "decode continues a sequence, and none has started: run forward or generate"),
+    (lambda eng, m: decode_after_a_prompt(eng, "7"), "a token id must be a whole number ≥ 0, got '7'"),
+    (lambda eng, m: npumoe.Engine(m, chunk=-1), "chunk must be a whole number ≥ 1, got -1"),
+    (lambda eng, m: npumoe.Engine(m, max_context=2.5), "max_context must be a whole number ≥ 1, got 2.5"),
+    (lambda eng, m: npumoe.calibrate(m, []), "no calibration text was given"),
+    (lambda eng, m: npumoe.calibrate(m, None), "calibrate takes a list of texts"),
+    (lambda eng, m: npumoe.calibrate(m, [list(range(20))], chunk=0), "chunk must be a whole number ≥ 1, got 0"),
+])
+def test_library_calls_out_of_range_raise_typed_errors(tiny, call, message):
+    """A negative max_new_tokens silently returned nothing, a decode before any prompt or a chunk of 0 failed as
+    an IndexError, ZeroDivisionError or a torch error deep inside."""
+    model = npumoe.load(tiny)
+    with pytest.raises(InputError, match=message):
+        call(npumoe.Engine(model, chunk=4, max_context=16), model)
+
+
 def test_prompt_longer_than_cache(tiny):
     eng = npumoe.Engine(npumoe.load(tiny), chunk=4, max_context=8)
     with pytest.raises(InputError, match="KV cache"):
@@ -136,6 +160,16 @@ def with_config(tiny, tmp_path, **edits):
     (dict(rope_scaling=[1, 2]), "rope_scaling is \\[1, 2\\], but it must be a JSON object"),
     (dict(eos_token_id="</s>"), "eos_token_id is '</s>', but it must be a token id or a list of them"),
     (dict(model_type=["qwen3_moe"]), "model_type is \\['qwen3_moe'\\], but it must be a JSON string"),
+    # incomplete or wrong rope settings were a KeyError, a TypeError or a ValueError inside the rope tables
+    (dict(rope_scaling={"rope_type": "linear"}), "rope_scaling.rope_type is 'linear', which needs 'factor', but it "
+                                                 "has none"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "'llama3', which needs 'low_freq_factor'"),
+    (dict(rope_scaling={"type": "yarn", "factor": "4"}), "rope_scaling.factor is '4', but it must be a positive "
+                                                         "number"),
+    (dict(rope_scaling={"rope_type": "longrope", "short_factor": [1.0]}),
+     r"short_factor has 1 values, but the 16 rotated dims of a head take one per pair, 8"),  # was broadcast silently
+    (dict(rope_scaling={"partial_rotary_factor": "0.5"}), r"partial_rotary_factor is '0.5', but it must be a number in "
+                                                          r"\(0, 1\]"),
 ])
 def test_impossible_config_values_are_named_before_loading(tiny, tmp_path, capsys, edits, message):
     path = with_config(tiny, tmp_path, **edits)
@@ -175,3 +209,147 @@ def test_a_directory_where_a_file_is_expected_is_called_a_directory(tiny, tmp_pa
     assert "is a directory, not a file; expected calibration text" in cli_error(
         capsys, "calibrate", "--model", str(tiny), "--text", str(tmp_path), "--out", str(tmp_path / "p.json"))
     assert "is a file, not a model directory" in cli_error(capsys, "inspect", str(tiny / "config.json"))
+
+
+# -- artifacts bound to the plan they were built from -----------------------------------------------------
+@pytest.fixture(scope="module")
+def built(tiny, tmp_path_factory):
+    """The tiny model's CPU plan with every graph 'on the NPU' (so it has graphs to build), saved and built."""
+    from npumoe.core.compiler.artifacts import build
+
+    model = npumoe.load(tiny)
+    out = tmp_path_factory.mktemp("built")
+    plan = npumoe.plan(model, npumoe.calibrate(model, [list(range(50))], chunk=4), target="cpu", residency="npu")
+    plan.dense_placement = "npu"
+    plan.save(out / "plan.json")
+    build(model, plan, "cpu", out / "build", max_context=16, progress=False)
+    return out
+
+
+def edited_build(built, tmp_path, edit):
+    """A copy of the build whose manifest ``edit(manifest)`` changed in place."""
+    path = copy_checkpoint(built / "build", tmp_path / "build")
+    manifest = json.loads((path / "manifest.json").read_text())
+    edit(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
+
+def swap_first_experts(plan_json: dict) -> dict:
+    group = plan_json["layers"]["1"]["groups"][0]
+    group["experts"][:2] = group["experts"][1::-1]
+    return plan_json
+
+
+def test_a_plan_edited_inside_the_manifest_is_refused(tiny, built, tmp_path, capsys):
+    """Its groups' experts in another order ran the compiled groups as the wrong experts, with exit 0."""
+    path = edited_build(built, tmp_path, lambda m: swap_first_experts(m["plan"]))
+    with pytest.raises(ArtifactError, match="plan no longer matches its plan_sha256; it was altered after the build"):
+        npumoe.Engine(npumoe.load(tiny), artifacts=path)
+    assert "plan_sha256" in cli_error(capsys, "generate", "--model", str(tiny), "--artifacts", str(path), "--ids", "1")
+
+
+def test_a_manifest_from_before_plans_were_bound_is_refused(tiny, built, tmp_path):
+    path = edited_build(built, tmp_path, lambda m: m.pop("plan_sha256"))
+    with pytest.raises(ArtifactError, match="records no plan_sha256 .*rebuild with npumoe build"):
+        npumoe.Engine(npumoe.load(tiny), artifacts=path)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("chunk", 8, "holds chunk 8 but its plan's is 4"),
+    ("target", "htp", "holds target 'htp' but its plan's is 'cpu'"),
+])
+def test_a_manifest_disagreeing_with_its_plan_is_refused(tiny, built, tmp_path, field, value, message):
+    path = edited_build(built, tmp_path, lambda m: m.update({field: value}))
+    with pytest.raises(ArtifactError, match=message):
+        npumoe.Engine(npumoe.load(tiny), artifacts=path)
+
+
+def test_graph_shapes_the_plan_and_model_do_not_give_are_refused(tiny, built, tmp_path):
+    """max_context is covered by no hash: a manifest edited to say 32 would feed a 16-slot graph 32 slots."""
+    from npumoe.backends.cpu.backend import CpuBackend
+    from npumoe.core.compiler.artifacts import load_executors
+    from npumoe.core.compiler.program import build_program
+
+    model = npumoe.load(tiny)
+    program = build_program(model.spec, chunk=4, max_context=32, plan=npumoe.Plan.load(built / "plan.json"))
+    npu = [g for g in program.graphs.values() if g.placement == "npu"]
+    path = edited_build(built, tmp_path, lambda m: m.update(max_context=32))
+    with pytest.raises(ArtifactError, match=r"records graph \S+'s inputs as .*but this model and plan give"):
+        load_executors(CpuBackend(), path, npu, model.weights, model)
+
+    class OtherNpu(CpuBackend):
+        name = "other"
+
+    with pytest.raises(ArtifactError, match="holds a build for cpu, which other cannot load; pass --target cpu"):
+        load_executors(OtherNpu(), built / "build", npu, model.weights, model)
+
+
+def test_a_plan_other_than_the_artifacts_one_is_refused_naming_the_difference(tiny, built, tmp_path, capsys):
+    model = npumoe.load(tiny)
+    plan = npumoe.Plan.load(built / "plan.json")
+    swapped = npumoe.Plan.from_json(swap_first_experts(plan.to_json()))
+    experts = plan.layers[1].groups[0].experts
+    with pytest.raises(ArtifactError, match=rf"its layers\.1\.groups\.0\.experts\.0 is {experts[1]}, the artifacts' "
+                                            rf"{experts[0]}; run without --plan"):
+        npumoe.Engine(model, plan=swapped, artifacts=built / "build")
+    npumoe.Engine(model, plan=plan, artifacts=built / "build").forward([1, 2, 3])  # the very plan runs
+    other_chunk = npumoe.plan(model, npumoe.calibrate(model, [list(range(50))], chunk=8), target="cpu",
+                              residency="npu")
+    other_chunk.save(tmp_path / "chunk8.json")
+    err = cli_error(capsys, "generate", "--model", str(tiny), "--plan", str(tmp_path / "chunk8.json"), "--artifacts",
+                    str(built / "build"), "--ids", "1,2")
+    assert "the plan passed (--plan) is not the one" in err and "its chunk is 8, the artifacts' 4" in err
+    other_target = npumoe.plan(model, npumoe.calibrate(model, [list(range(50))], chunk=4), target="htp")
+    with pytest.raises(ArtifactError, match="its target is \"htp\", the artifacts' \"cpu\""):
+        npumoe.Engine(model, plan=other_target, artifacts=built / "build")
+
+
+def huge_capacity(groups):
+    groups[0]["shapes"][0][0] = 2 ** 63
+
+
+def capacity_for_a_shape(groups):
+    groups[0]["shapes"][0] = 5
+
+
+def an_empty_group(groups):
+    groups.append({**groups[0], "experts": [], "shapes": [[]]})
+
+
+@pytest.mark.parametrize("edit, message", [
+    (huge_capacity, r"shapes .* hold a capacity outside 1-8 \(chunk 4 × top-k 2"),
+    (capacity_for_a_shape, r"its 'shapes' is \[5, .*not a list\[list\[int\]\]"),
+    (an_empty_group, "do not hold each of its 4 experts once"),
+])
+def test_impossible_plan_values_are_named_before_running(tiny, built, tmp_path, capsys, edit, message):
+    """Plan files are input: a capacity of 2^63 overflowed inside the runtime, one given as a number where a
+    shape belongs failed as a TypeError, an empty group as a ValueError."""
+    plan = json.loads((built / "plan.json").read_text())
+    edit(plan["layers"]["1"]["groups"])
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    with pytest.raises(ArtifactError, match=message):
+        npumoe.Engine(npumoe.load(tiny), plan=npumoe.Plan.load(tmp_path / "plan.json"))
+    assert "make a new one with npumoe plan" in cli_error(capsys, "generate", "--model", str(tiny), "--plan",
+                                                          str(tmp_path / "plan.json"), "--ids", "1")
+
+
+def test_a_prompt_that_is_not_utf8_is_refused_not_replaced(tiny, tmp_path, capsys):
+    """A shell in another locale hands bytes that are not UTF-8 to Python as lone surrogates: they were a
+    UnicodeEncodeError traceback; replaced by U+FFFD they would continue another prompt than the one given."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    not_utf8 = b"def f\xff(x)".decode("utf-8", errors="surrogateescape")
+    demo = npumoe.load()
+    with pytest.raises(InputError, match="the prompt is not valid UTF-8: character 5 is the byte 0xff"):
+        demo.tokenizer.encode(not_utf8)
+    assert demo.tokenizer.encode("def f\u00ff(x)") == list("def f\u00ff(x)".encode())  # valid text still encodes
+    assert "pass token ids with --ids" in cli_error(capsys, "generate", "--prompt", not_utf8, "-n", "1")
+    path = copy_checkpoint(tiny, tmp_path / "m")
+    words = Tokenizer(models.WordLevel({"[UNK]": 0, "def": 1}, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(path / "tokenizer.json"))
+    hf = npumoe.load(path).tokenizer
+    assert hf.encode("def def") == [1, 1]
+    with pytest.raises(InputError, match="character 1 is the lone surrogate U\\+D800"):
+        hf.encode("d\ud800ef")

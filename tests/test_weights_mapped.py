@@ -191,6 +191,61 @@ def test_damaged_file_is_named_not_crashed(sharded_bf16, tmp_path, damage):
         SafetensorsFile(bad)
 
 
+def safetensors_bytes(header: dict, data: bytes) -> bytes:
+    blob = json.dumps(header).encode()
+    return len(blob).to_bytes(8, "little") + blob + data
+
+
+@pytest.mark.parametrize("header, reason", [
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, "tensors 'a' and 'b' overlap"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+      "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}, "tensors 'a' and 'b' overlap"),
+    ({"a": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}}, "not whole numbers"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": ["0", "16"]}}, "not whole numbers"),
+    ({"__metadata__": ["x"], "a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, "__metadata__"),
+])
+def test_headers_the_safetensors_library_refuses_are_refused(tmp_path, header, reason):
+    """Tensors sharing bytes were read, each from the other's data; the safetensors library itself is the truth
+    that these headers are invalid."""
+    from safetensors import SafetensorError
+
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(safetensors_bytes(header, bytes(16)))
+    with pytest.raises((SafetensorError, ValueError, TypeError)):  # its own refusal (before or at reading)
+        load_file(str(bad))
+    with pytest.raises(WeightError, match=f"bad.safetensors is not a readable safetensors file .*{reason}"):
+        SafetensorsFile(bad)
+
+
+def test_a_tensor_in_two_shards_names_both_files(sharded_bf16, tmp_path, capsys):
+    """Without an index the later file's copy silently won."""
+    copy = tmp_path / "m"
+    copy.mkdir()
+    for f in sharded_bf16.iterdir():
+        if f.name != "model.safetensors.index.json":
+            (copy / f.name).write_bytes(f.read_bytes())
+    shards = sorted(copy.glob("*.safetensors"))
+    state = load_file(str(shards[0]))
+    key = sorted(state)[0]
+    save_file({key: state[key] + 1}, str(copy / "zz-stale.safetensors"))
+    with pytest.raises(WeightError, match=rf"tensor '{key}' is stored in both .*{shards[0].name} and .*"
+                                          r"zz-stale\.safetensors; .*remove the stale file"):
+        npumoe.load(copy)
+    assert "zz-stale.safetensors" in cli_error(capsys, "inspect", str(copy))
+
+
+def test_a_dangling_weights_symlink_is_named(sharded_bf16, tmp_path, capsys):
+    copy = tmp_path / "m"
+    copy.mkdir()
+    (copy / "config.json").write_bytes((sharded_bf16 / "config.json").read_bytes())
+    (copy / "model.safetensors").symlink_to(tmp_path / "moved-away.safetensors")
+    with pytest.raises(WeightError, match="model.safetensors is a symbolic link to .*moved-away.safetensors, which "
+                                          "does not exist"):
+        npumoe.load(copy)
+    assert "which does not exist" in cli_error(capsys, "generate", "--model", str(copy), "--ids", "1")
+
+
 @pytest.mark.parametrize("room_for", [0, 4])  # 0: the header outgrows its room and is written the slow way
 def test_streaming_writer_round_trips_through_safetensors(tmp_path, room_for):
     """What the writer streams, the safetensors library reads back bit for bit (it checks the layout)."""

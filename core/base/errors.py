@@ -4,6 +4,8 @@ The CLI prints ``str(err)`` and exits 2 for any :class:`NpumoeError`; nothing el
 should reach a user as a traceback.
 """
 
+import operator
+
 
 class NpumoeError(Exception):
     """Base class: a problem with the user's input or environment, not a bug."""
@@ -35,3 +37,15 @@ class NumericError(NpumoeError):
 
 class BackendUnavailableError(NpumoeError):
     """A backend's toolchain is not installed or cannot run on this machine."""
+
+
+def whole_number(value, what: str, least: int) -> int:
+    """``value`` as an int if it is a whole number (numpy and torch integers too, never a bool) ≥ ``least``;
+    otherwise an InputError naming ``what``: a library caller's 2.5 or -3 must not reach range() or torch."""
+    try:
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or number < least:
+        raise InputError(f"{what} must be a whole number ≥ {least}, got {value!r:.40}.")
+    return number

@@ -37,6 +37,12 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def sha256_json(value) -> str:
+    """Hex sha256 of a JSON value in one canonical spelling (sorted keys, no spaces), so the value read back
+    from a file hashes as it did when written, however the file was indented."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write_bytes(path, text.encode("utf-8"))
 

@@ -2,7 +2,10 @@
 
 An artifact directory holds whatever the backend wrote for each NPU-placed graph plus
 ``manifest.json``: target, backend details, the model and weights fingerprints, the plan, every graph's
-inputs and outputs, and the sha256 of every file. Building happens in a temporary
+inputs and outputs, and the sha256 of every file and of the plan. The plan is bound like the files: the
+graphs hold its experts in its order, so a plan edited in the manifest would run them as other experts.
+What no hash covers (chunk, context, the graphs' shapes) is checked against the plan and the model before
+anything runs. Building happens in a temporary
 sibling directory that replaces the destination only when complete, so a failed or
 interrupted build never leaves a half-written artifact behind; the destination must be new or
 an earlier artifact directory (:mod:`npumoe.core.base.outputs`). Every path a manifest names must lie
@@ -17,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from npumoe.core.base.errors import ArtifactError, InputError
-from npumoe.core.base.io import atomic_write_text, read_json_artifact, sha256_file
+from npumoe.core.base.io import atomic_write_text, read_json_artifact, sha256_file, sha256_json
 from npumoe.core.base.outputs import OutputKind, claim, json_kind, staged_directory
 from npumoe.core.compiler.program import build_program
 from npumoe.core.ir.backend import Executor, Lowered
@@ -78,6 +81,7 @@ def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512,
             "chunk": plan.chunk,
             "max_context": max_context,
             "plan": plan.to_json(),
+            "plan_sha256": sha256_json(plan.to_json()),
             "layers": sorted(layers) if layers is not None else None,  # a partial build when set
             "graphs": {g.name: {**io_description(g), **entries[g.name], "bytes": _bytes(staging, entries[g.name])}
                        for g in npu_graphs},
@@ -103,6 +107,7 @@ def read_manifest(out_dir: str | Path, verify: bool = True) -> dict:
     _check_paths_inside(out_dir, [*(files if isinstance(files, dict) else {}),
                                   *_strings(graphs if isinstance(graphs, dict) else {})])
     _check_fields(out_dir, manifest)
+    _check_plan(out_dir, manifest)
     if verify:
         for rel, digest in manifest["files"].items():
             path = out_dir / rel
@@ -122,6 +127,8 @@ def _whole(value, least: int) -> bool:
 
 # what the engine and loaders read from a manifest, and the test each value must pass
 _FIELDS = {
+    "target": lambda v: isinstance(v, str),
+    "backend": lambda v: isinstance(v, dict),
     "model": lambda v: isinstance(v, str),
     "weights": lambda v: v is None or isinstance(v, str),
     "chunk": lambda v: _whole(v, 1),
@@ -144,6 +151,23 @@ def _check_fields(out_dir: Path, manifest: dict) -> None:
             raise ArtifactError(f"{out_dir / MANIFEST} {got}; the manifest was altered, rebuild with npumoe build.")
 
 
+def _check_plan(out_dir: Path, manifest: dict) -> None:
+    """Refuse a manifest whose plan is not the one it was built from (its sha256), or whose chunk or target
+    disagrees with that plan."""
+    where = out_dir / MANIFEST
+    if "plan_sha256" not in manifest:
+        raise ArtifactError(f"{where} records no plan_sha256 (built before plans were bound to their artifacts); "
+                            "rebuild with npumoe build.")
+    if manifest["plan_sha256"] != sha256_json(manifest["plan"]):
+        raise ArtifactError(f"{where}'s plan no longer matches its plan_sha256; it was altered after the build. "
+                            "Rebuild with npumoe build.")
+    for name in ("chunk", "target"):
+        if manifest[name] != manifest["plan"].get(name):
+            raise ArtifactError(f"{where} holds {name} {manifest[name]!r:.30} but its plan's is "
+                                f"{manifest['plan'].get(name)!r:.30}; the manifest was altered, rebuild with npumoe "
+                                "build.")
+
+
 def _strings(value) -> list[str]:
     """Every string inside a graph entry: backends name their files in fields of their own choosing, so
     all of them are checked as paths (a function or precision name always resolves inside)."""
@@ -158,6 +182,9 @@ def _check_paths_inside(out_dir: Path, names: list[str]) -> None:
     before anything is opened."""
     root = out_dir.resolve()
     for name in names:
+        if "\x00" in name:  # no file system path holds one (and resolve() raises ValueError on it)
+            raise ArtifactError(f"{out_dir / MANIFEST} names {name!r}, which no path can hold; the manifest was "
+                                "altered, rebuild with npumoe build.")
         if not (root / name).resolve().is_relative_to(root):
             raise ArtifactError(f"{out_dir / MANIFEST} names {name!r}, which lies outside {out_dir}; the manifest "
                                 "was altered, rebuild with npumoe build.")
@@ -182,6 +209,10 @@ def executor_loaders(backend, out_dir: str | Path, graphs: list[Graph], weights,
     bytes each occupies once loaded (its artifact's size). Verified once here; each load reads one graph."""
     manifest = read_manifest(out_dir)
     check_built_for(manifest, out_dir, model)
+    built_by, loading_by = manifest["backend"].get("name"), backend.describe().get("name")
+    if built_by != loading_by:
+        raise ArtifactError(f"{out_dir} holds a build for {manifest['target']}, which {loading_by} cannot load; pass "
+                            f"--target {manifest['target']}, or build for {loading_by}.")
     missing = [g.name for g in graphs if g.name not in manifest["graphs"]]
     if missing and manifest.get("layers") is not None:
         raise ArtifactError(f"{out_dir} holds only layers {manifest['layers']} (built with --layers), not "
@@ -189,9 +220,28 @@ def executor_loaders(backend, out_dir: str | Path, graphs: list[Graph], weights,
     if missing:
         raise ArtifactError(f"{out_dir} has no compiled graph {missing[0]!r}; it was built from another plan.")
     entries = {g.name: manifest["graphs"][g.name] for g in graphs}
+    for g in graphs:
+        _check_described(out_dir, g, entries[g.name])
     loaders = {g.name: functools.partial(backend.load, Lowered.from_entry(entries[g.name]), Path(out_dir), g, weights)
                for g in graphs}
-    return loaders, {name: int(entry.get("bytes", 0)) for name, entry in entries.items()}
+    return loaders, {name: entry.get("bytes", 0) for name, entry in entries.items()}
+
+
+def _check_described(out_dir, graph: Graph, entry: dict) -> None:
+    """Refuse a compiled graph whose recorded kind, layer or shapes are not those the model and plan give it
+    (an edited max_context, say): it would fail inside the toolchain, or read its inputs wrongly."""
+    def altered(what: str) -> ArtifactError:
+        return ArtifactError(f"{Path(out_dir) / MANIFEST} records graph {graph.name}'s {what}; the manifest was "
+                             "altered, rebuild with npumoe build.")
+
+    for key, wanted in io_description(graph).items():
+        if entry.get(key) != wanted:
+            raise altered(f"{key} as {entry.get(key)!r:.60}, but this model and plan give {wanted!r:.60}")
+    if not _whole(entry.get("bytes", 0), 0):
+        raise altered(f"size as {entry['bytes']!r:.30} bytes")
+    files = entry.get("files", [])
+    if not (isinstance(files, list) and all(isinstance(f, str) for f in files)):
+        raise altered(f"files as {files!r:.60}, not a list of paths")
 
 
 def load_executors(backend, out_dir: str | Path, graphs: list[Graph], weights, model) -> dict:

@@ -7,8 +7,11 @@ the file, in the stored dtype. Its pages are the file's, shared with the page ca
 count as file-backed memory the kernel can drop, not as the process's private memory.
 
 Sharded checkpoints are found through ``model.safetensors.index.json``, which also names
-any shard that is missing. Every header is checked against its file before it is used, so
-a truncated or malformed file is an error naming it, never a crash.
+any shard that is missing. Every header is checked against its file before it is used, as the
+safetensors library checks it (whole-number shapes and offsets, each tensor's bytes within the data
+section and exactly its dtype × shape, no two tensors sharing bytes), so a truncated or malformed file
+is an error naming it, never a crash or a tensor read from another's bytes. A tensor stored in two
+files is an error naming both: which copy is meant, nothing says.
 """
 
 from __future__ import annotations
@@ -76,36 +79,54 @@ def _parse_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
     def bad(why: str) -> WeightError:
         return WeightError(f"{path.name} is not a readable safetensors file ({why}); re-save or re-download it.")
 
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise bad("shorter than its 8-byte header length")
-        (length,) = struct.unpack("<Q", head)
-        if length > min(MAX_HEADER, size - 8):
-            raise bad(f"its header claims {length} bytes, more than the file holds")
-        try:
-            header = json.loads(f.read(length))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise bad(f"its header is not JSON: {err}") from err
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise bad("shorter than its 8-byte header length")
+            (length,) = struct.unpack("<Q", head)
+            if length > min(MAX_HEADER, size - 8):
+                raise bad(f"its header claims {length} bytes, more than the file holds")
+            try:
+                header = json.loads(f.read(length))
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                raise bad(f"its header is not JSON: {err}") from err
+    except OSError as err:
+        if path.is_symlink() and not path.exists():
+            raise WeightError(f"{path} is a symbolic link to {path.readlink()}, which does not exist; restore that "
+                              "file or the link.") from err
+        raise WeightError(f"{path} cannot be read ({err.strerror}); check the file and its permissions.") from err
     if not isinstance(header, dict):
         raise bad("its header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise bad("its __metadata__ is not an object of strings")
     base, data_size = 8 + length, size - 8 - length
     entries = {}
     for key, info in header.items():
         try:
             dtype = DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
+            shape, (begin, end) = tuple(info["shape"]), info["data_offsets"]
         except (KeyError, TypeError, ValueError):
-            raise bad(f"tensor {key!r} has a malformed entry {info!r}") from None
+            raise bad(f"tensor {key!r} has a malformed entry {info!r:.80}") from None
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in (*shape, begin, end)):
+            raise bad(f"tensor {key!r} has a shape or offsets that are not whole numbers ≥ 0: {info!r:.80}")
         nbytes = math.prod(shape) * dtype.itemsize
-        if min(shape, default=0) < 0 or not 0 <= begin <= end <= data_size or end - begin != nbytes:
+        if not begin <= end <= data_size or end - begin != nbytes:
             raise bad(f"tensor {key!r} ({info['dtype']} {list(shape)}) does not fit its byte range {[begin, end]} "
                       f"of {data_size} data bytes; the file is truncated or damaged")
         entries[key] = StoredTensor(path, key, dtype, shape, base + begin, nbytes)
+    _check_no_overlap(entries, bad)
     return entries, metadata
+
+
+def _check_no_overlap(entries: dict[str, StoredTensor], bad) -> None:
+    """No two tensors share a byte: one would be read from the other's data."""
+    spans = sorted((e.start, e.start + e.nbytes, key) for key, e in entries.items() if e.nbytes)
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise bad(f"tensors {first!r} and {second!r} overlap in its data section")
 
 
 class Checkpoint:
@@ -115,7 +136,12 @@ class Checkpoint:
         self.files = {p.name: SafetensorsFile(p) for p in files}
         self.entries: dict[str, StoredTensor] = {}
         for f in self.files.values():
-            self.entries.update(f.entries)
+            for key, entry in f.entries.items():
+                if key in self.entries:
+                    raise WeightError(f"tensor {key!r} is stored in both {self.entries[key].file} and {f.path}; "
+                                      "which copy is meant is unclear, so remove the stale file (or the tensor from "
+                                      "one of them).")
+                self.entries[key] = entry
 
     @classmethod
     def open(cls, directory: Path, files: list[Path]) -> Checkpoint:

@@ -49,6 +49,7 @@ METHODS = ("optimal", "paper", "uniform")
 OVERFLOW_POLICIES = ("spill", "drop", "reroute")
 RESIDENCY = ("auto", "npu", "cpu")
 MAX_GROUP_EXPERTS = 16
+MAX_ALIGNMENT = 1024  # far beyond any NPU's tile (ANE 16, HTP 8, Intel 16): a larger one is an edited plan
 GRAPHS_PER_LAYER = 3  # compiled NPU expert graphs per layer and sequence length, shared by its groups
 KIND = "npumoe.Plan"
 PLAN = OutputKind("a plan (npumoe plan)", directory=False, recognise=json_kind(KIND))
@@ -143,8 +144,10 @@ class Plan:
         def bad(what: str):
             raise ArtifactError(f"this plan is damaged: {what}; make a new one with npumoe plan.")
 
-        if self.chunk < 1 or self.alignment < 1:
-            bad(f"chunk {self.chunk} and alignment {self.alignment} must be ≥ 1")
+        if self.chunk < 1 or not 1 <= self.alignment <= MAX_ALIGNMENT:
+            bad(f"chunk {self.chunk} must be ≥ 1 and alignment {self.alignment} between 1 and {MAX_ALIGNMENT}")
+        if not all(isinstance(why, str) for why in self.cpu_graphs.values()):
+            bad("its cpu_graphs must map graph names to the reasons they run on the CPU")
         for name, value, allowed in (("overflow", self.overflow, OVERFLOW_POLICIES),
                                      ("dense_placement", self.dense_placement, ("cpu", "npu"))):
             if value not in allowed:
@@ -152,17 +155,28 @@ class Plan:
         if sorted(self.layers) != sorted(spec.moe_layers):
             bad(f"it plans layers {sorted(self.layers)}, but the model's MoE layers are {list(spec.moe_layers)}")
         for i, lp in self.layers.items():
+            moe = spec.layers[i].ffn
             experts = sorted(e for g in lp.groups for e in g.experts)
-            if experts != list(range(spec.layers[i].ffn.num_experts)):
-                bad(f"layer {i}'s groups do not hold each of its {spec.layers[i].ffn.num_experts} experts once")
-            for g in lp.groups:
+            if experts != list(range(moe.num_experts)) or not all(g.experts for g in lp.groups):
+                bad(f"layer {i}'s groups do not hold each of its {moe.num_experts} experts once")
+            if not (math.isfinite(lp.overflow_cost) and lp.overflow_cost >= 0):
+                bad(f"layer {i}'s overflow_cost is {lp.overflow_cost}, not a number ≥ 0")
+            # an expert gets at most chunk · top-k slots (the planner's bound, aligned); a capacity
+            # beyond it is an edit, and would shape graphs of up to 2^63 rows
+            most = -(-self.chunk * moe.top_k // self.alignment) * self.alignment
+            for j, g in enumerate(lp.groups):
                 npu = g.residency == "npu"
                 if (g.residency not in ("npu", "cpu") or npu != bool(g.shapes)
-                        or any(len(c) != len(g.experts) or min(c) < 1 for c in g.shapes)):
+                        or any(len(c) != len(g.experts) for c in g.shapes)):
                     bad(f"layer {i} has a group of shapes {g.shapes} for {len(g.experts)} experts with residency "
                         f"{g.residency!r}")
+                if not all(1 <= capacity <= most for c in g.shapes for capacity in c):
+                    bad(f"layer {i} group {j}'s shapes {g.shapes} hold a capacity outside 1-{most} (chunk "
+                        f"{self.chunk} × top-k {moe.top_k}, aligned to {self.alignment})")
                 if not 0 <= g.decode_experts <= len(g.experts):
                     bad(f"layer {i} cuts a group of {len(g.experts)} experts into decode graphs of {g.decode_experts}")
+                if not (math.isfinite(g.expected_tokens) and g.expected_tokens >= 0 and g.weight_bytes >= 0):
+                    bad(f"layer {i} group {j} expects {g.expected_tokens} tokens of {g.weight_bytes} weight bytes")
 
     # -- files -----------------------------------------------------------------------------------
     def to_json(self) -> dict:
@@ -228,19 +242,59 @@ def _check_fields(cls, data, where: str) -> None:
             if f.default is MISSING and f.default_factory is MISSING:
                 raise ArtifactError(f"{where} is damaged: it has no {f.name!r}; make a new one with npumoe plan.")
             continue
-        value, kind = data[f.name], _JSON_TYPES[f.type]
-        whole = f.type in ("int", "list[int]", "list[list[int]]")
-        items = value if f.type == "list[int]" and isinstance(value, list) else [value]
-        if f.type == "list[list[int]]" and isinstance(value, list):
-            items = [x for row in value for x in (row if isinstance(row, list) else [row])]
-        if (not isinstance(value, kind) or isinstance(value, bool)
-                or (whole and not all(isinstance(x, int) and not isinstance(x, bool) for x in items))):
+        value = data[f.name]
+        whole = _whole_numbers(f.type, value) if isinstance(value, _JSON_TYPES[f.type]) else None
+        if whole is None or isinstance(value, bool) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                               for x in whole):
             raise ArtifactError(f"{where} is damaged: its {f.name!r} is {value!r:.60}, not a {f.type}; make a new "
                                 "one with npumoe plan.")
     unknown = sorted(set(data) - {f.name for f in fields(cls)})
     if unknown:
         raise ArtifactError(f"{where} is damaged: it has an unknown field {unknown[0]!r}; make a new one with "
                             "npumoe plan.")
+
+
+def _whole_numbers(kind: str, value) -> list | None:
+    """The values inside ``value`` (of JSON type ``kind``) that must be whole numbers; None where a list of
+    lists holds something else than lists (a capacity where a shape belongs)."""
+    if kind == "int":
+        return [value]
+    if kind == "list[int]":
+        return value
+    if kind == "list[list[int]]":
+        return [x for row in value for x in row] if all(isinstance(row, list) for row in value) else None
+    return []
+
+
+def artifacts_plan(manifest: dict, where, given: Plan | None = None) -> Plan:
+    """The plan artifacts were built from (their manifest's), or ``given`` only where it is that very plan:
+    the compiled graphs hold its experts in its order, and a plan for another target, chunk or expert order
+    would run them as other experts (or fail deep in a toolchain)."""
+    built = Plan.from_json(manifest["plan"], f"the plan in {where}")
+    if given is not None and (difference := _first_difference(given.to_json(), built.to_json())):
+        field, mine, theirs = difference
+        raise ArtifactError(f"the plan passed (--plan) is not the one {where} was built from: its {field} is "
+                            f"{mine:.60}, the artifacts' {theirs:.60}; run without --plan (artifacts carry their "
+                            "plan) or rebuild with this plan.")
+    return built
+
+
+def _first_difference(mine, theirs, path: str = "") -> tuple[str, str, str] | None:
+    """Where two JSON values first differ (fields in ``mine``'s order): (dotted path, mine, theirs), the
+    values as JSON, or None when they are equal."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        for key in [*mine, *(k for k in theirs if k not in mine)]:
+            if key not in mine or key not in theirs:
+                return f"{path}{key}", *(json.dumps(side[key]) if key in side else "absent" for side in (mine, theirs))
+            if found := _first_difference(mine[key], theirs[key], f"{path}{key}."):
+                return found
+        return None
+    if isinstance(mine, list) and isinstance(theirs, list) and len(mine) == len(theirs):
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if found := _first_difference(a, b, f"{path}{i}."):
+                return found
+        return None
+    return None if mine == theirs else (path.rstrip("."), json.dumps(mine), json.dumps(theirs))
 
 
 # -- capacities ----------------------------------------------------------------------------------

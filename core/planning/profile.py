@@ -124,18 +124,59 @@ class RoutingProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> RoutingProfile:
-        data = read_json_artifact(path, KIND, "a routing profile (npumoe calibrate --out)")
-        layers = {int(i): v for i, v in data["layers"].items()}
+        return cls.from_json(read_json_artifact(path, KIND, "a routing profile (npumoe calibrate --out)"), str(path))
+
+    @classmethod
+    def from_json(cls, data: dict, where: str = "the profile") -> RoutingProfile:
+        """A profile from its JSON, every field checked first: a profile is a file a user may edit, and counts
+        no calibration gives (NaN, negative, more than a chunk holds) would plan from nonsense: negative ones
+        planned graphs "reading −1509.9 MB"."""
+        def bad(what: str) -> ArtifactError:
+            return ArtifactError(f"{where} is damaged: {what}; make a new one with npumoe calibrate.")
+
+        chunk, layers, sources = data.get("chunk"), data.get("layers"), data.get("sources", [])
+        if not isinstance(data.get("model"), str) or not isinstance(data.get("model_name", ""), str):
+            raise bad("its 'model' and 'model_name' must be strings")
+        if not isinstance(data.get("weights"), (str, type(None))):
+            raise bad(f"its 'weights' is {data['weights']!r:.40}, not a fingerprint string")
+        if not isinstance(sources, list) or not all(isinstance(source, str) for source in sources):
+            raise bad("its 'sources' must be a list of strings")
+        if not _whole(chunk, 1):
+            raise bad(f"its 'chunk' is {chunk!r:.40}, not a whole number ≥ 1")
+        if not isinstance(layers, dict) or not layers or not all(i.isdigit() and isinstance(v, dict)
+                                                                 for i, v in layers.items()):
+            raise bad("its 'layers' must map layer numbers to their counts")
+        for i, layer in layers.items():
+            _check_layer(i, layer.get("top_k"), layer.get("loads"), chunk, bad)
         return cls(
             model=data["model"],
             model_name=data.get("model_name", ""),
-            chunk=int(data["chunk"]),
-            top_k={i: int(v["top_k"]) for i, v in layers.items()},
-            loads={i: np.asarray(v["loads"], dtype=np.int64).reshape(-1, len(v["tokens_per_expert"]))
-                   for i, v in layers.items()},
-            sources=list(data.get("sources", [])),
+            chunk=chunk,
+            top_k={int(i): v["top_k"] for i, v in layers.items()},
+            loads={int(i): np.asarray(v["loads"], dtype=np.int64) for i, v in layers.items()},
+            sources=sources,
             weights=data.get("weights"),
         )
+
+
+def _whole(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _check_layer(i: str, top_k, loads, chunk: int, bad) -> None:
+    """One layer's counts as calibration records them: per full chunk, each expert's tokens (0 to the chunk's
+    length: a token picks an expert at most once), summing to chunk × top-k."""
+    if not _whole(top_k, 1):
+        raise bad(f"layer {i}'s top_k is {top_k!r:.40}, not a whole number ≥ 1")
+    if not (isinstance(loads, list) and loads and all(isinstance(row, list) and len(row) == len(loads[0]) >= top_k
+                                                      for row in loads)):
+        raise bad(f"layer {i}'s loads must be a list of chunks, each counting the tokens of every expert")
+    wrong = [n for row in loads for n in row if not (_whole(n, 0) and n <= chunk)]
+    if wrong:
+        raise bad(f"layer {i}'s loads hold the count {wrong[0]!r:.40}, where 0 to the chunk's {chunk} tokens belong")
+    if any(sum(row) != chunk * top_k for row in loads):
+        raise bad(f"layer {i}'s loads do not count chunk {chunk} × top-k {top_k} = {chunk * top_k} routed tokens in "
+                  "every chunk")
 
 
 def overlap_at_k(a: RoutingProfile, b: RoutingProfile, k: int) -> dict[int, float]:

@@ -7,9 +7,11 @@ expert in every full chunk: a :class:`~npumoe.core.planning.profile.RoutingProfi
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 
-from npumoe.core.base.errors import InputError
+from npumoe.core.base.errors import InputError, whole_number
 from npumoe.core.planning.profile import LoadRecorder, RoutingProfile
 from npumoe.core.runtime.engine import Engine
 
@@ -24,9 +26,14 @@ def calibrate(model, texts, chunk: int = 256, window: int = 2048, progress: bool
     tokens and would bias capacities low.
     """
     spec = model.spec
+    chunk, window = whole_number(chunk, "chunk", 1), whole_number(window, "window", 1)
     if not spec.moe_layers:
         raise InputError(f"{model.name} has no MoE layers; there is nothing to calibrate.")
+    if isinstance(texts, str) or not isinstance(texts, Iterable):
+        raise InputError(f"calibrate takes a list of texts (or of token id lists), got {texts!r:.40}.")
     token_lists = [model.tokenizer.encode(t) if isinstance(t, str) else list(t) for t in texts]
+    if not token_lists:
+        raise InputError("no calibration text was given; pass at least one text (or list of token ids).")
     if not any(len(t) >= chunk for t in token_lists):
         longest = max((len(t) for t in token_lists), default=0)
         raise InputError(

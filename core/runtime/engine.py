@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from npumoe.core.base.errors import InputError, NumericError
+from npumoe.core.base.errors import InputError, NumericError, whole_number
 from npumoe.core.compiler.interpreter import TorchGraphExecutor
 from npumoe.core.compiler.program import Program, build_program
 from npumoe.core.ir.backend import Executor
@@ -76,6 +76,9 @@ class Engine:
         The first Engine of a process raises glibc's mmap and trim thresholds for it (32 MB, 256 MB: see
         :mod:`npumoe.core.runtime.allocator`); set ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` to keep
         your own."""
+        for name, value in (("chunk", chunk), ("max_context", max_context)):
+            if value is not None:
+                whole_number(value, name, 1)
         keep_freed_blocks()
         self.model = model
         self.backend_options = dict(backend_options or {})
@@ -86,13 +89,13 @@ class Engine:
         self.spec = model.spec
         if artifacts is not None:
             from npumoe.core.compiler.artifacts import check_built_for, read_manifest, target_directory
-            from npumoe.core.planning.plan import Plan
+            from npumoe.core.planning.plan import artifacts_plan
 
             artifacts = target_directory(artifacts, backend)  # a multi-target build: this backend's part
             manifest = read_manifest(artifacts, verify=False)  # files are verified when loaded
             check_built_for(manifest, artifacts, model)  # before its plan's check, so the message names the artifacts
             chunk, max_context = manifest["chunk"], manifest["max_context"]
-            plan = plan if plan is not None else Plan.from_json(manifest["plan"])
+            plan = artifacts_plan(manifest, artifacts, plan)  # theirs: another would run their graphs wrongly
         elif backend != "cpu":
             raise InputError(f"backend {backend!r} runs built artifacts: run npumoe build --target {backend} "
                              "first and pass artifacts=OUT.")
@@ -178,6 +181,7 @@ class Engine:
         """Greedy decoding from ``ids``; returns only the new tokens, stopping after an EOS.
 
         With ``return_logits`` also the logits [n, vocab] each new token was picked from."""
+        max_new_tokens = whole_number(max_new_tokens, "max_new_tokens", 0)
         ids = self._check_ids(ids)
         if self.cache.capacity < len(ids) + max_new_tokens:
             raise InputError(
@@ -205,7 +209,10 @@ class Engine:
     def decode(self, token: int) -> np.ndarray:
         """One decode step after :meth:`generate` or :meth:`forward`: ``token`` appended to the sequence in
         the cache, the logits [vocab] (fp32) of the next position."""
-        return self._decode(int(token)).numpy()
+        if self.cache.length == 0:
+            raise InputError("decode continues a sequence, and none has started: run forward or generate on a "
+                             "prompt first.")
+        return self._decode(whole_number(token, "a token id", 0)).numpy()
 
     def _decode(self, token: int) -> torch.Tensor:
         if self.cache.length >= self.cache.capacity:

@@ -112,3 +112,22 @@ def test_without_mlx_the_record_still_imports_and_using_it_names_the_extra():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "pip install 'npumoe[mlx]'" in done.stdout and len(done.stdout.strip().splitlines()) == 1
+
+
+def test_compare_estimates_the_apple_gpus_from_their_records(tmp_path, capsys):
+    from npu_check import write_texts
+
+    from npumoe.cli import main
+
+    calibration, heldout = write_texts(tmp_path, heldout_chars=400)
+    main(["build", "--targets", "mlx", "--text", str(calibration), "--heldout", str(heldout), "--chunk", "16",
+          "--max-context", "128", "--residency", "npu", "--out", str(tmp_path / "out")])
+    capsys.readouterr()
+    main(["compare", str(tmp_path / "out"), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    estimated = report["targets"]["mlx"]["estimated"]
+    assert set(estimated) == {"Apple M2 GPU", "Apple M4 GPU", "Apple M4 Max GPU"}
+    decode = [estimated[chip]["decode_tok_s"] for chip in ("Apple M2 GPU", "Apple M4 GPU", "Apple M4 Max GPU")]
+    assert 0 < decode[0] < decode[1] < decode[2]  # decode reads weights: it follows 100 < 120 < 546 GB/s
+    validation = json.loads((tmp_path / "out" / "manifest.json").read_text())["targets"]["mlx"]["validation"]
+    assert validation["cosine"] > 0.9999 and validation["greedy_match"] >= 8

@@ -70,6 +70,8 @@ def test_a_quantised_checkpoint_runs_its_own_codes(quantized, tmp_path):
     manifest = planned_build(model, tmp_path / "mlx")
     held = {name: tuple(f) for g in manifest["graphs"].values() for name, f in g["quantized"].items()}
     assert held == {name: (3, 32) for name in model.weights.packed}  # every packed matrix, as MLX quantised
+    groups = [g for g in manifest["graphs"].values() if g["kind"] == "experts"]
+    assert {g["experts"] for g in groups if len(g["quantized"]) > 3} == {"gather_qmm"}  # a group: one product each
     program = build_program(model.spec, chunk=manifest["chunk"], max_context=64, plan=Plan.from_json(manifest["plan"]))
     graphs = [program.graphs[name] for name in manifest["graphs"]]
     executors = load_executors(get_backend("mlx"), tmp_path / "mlx", graphs, model.weights, model)
@@ -95,10 +97,26 @@ def test_precision_int4_holds_the_codes_the_ane_and_htp_hold(tmp_path):
             assert (bits, group) == (4, 32) and np.array_equal(np.array(got), want)
 
 
+def test_bf16_activations_run_as_mlx_lm_runs_a_bf16_model(tmp_path):
+    """--activations bfloat16: the graphs compute in bf16 (mlx-lm's way with a bf16 model), so the logits agree with
+    the fp32 reference to bf16 rounding; MLX's CPU backend gathers only fp32, so there each expert runs alone."""
+    model = npumoe.load()
+    manifest = planned_build(model, tmp_path / "mlx", activations="bfloat16", device="cpu")
+    assert {g["experts"] for g in manifest["graphs"].values() if g["kind"] == "experts"} == {"per expert"}
+    ids = np.asarray(model.tokenizer.encode("def fibonacci(n):\n    a, b = 0, 1\n"))
+    ran = npumoe.Engine(model, backend="mlx", artifacts=tmp_path / "mlx")
+    want = npumoe.Engine(model, chunk=ran.program.chunk, max_context=ran.cache.capacity).forward(ids)
+    got = ran.forward(ids)
+    cosines = (got * want).sum(-1) / np.linalg.norm(got, axis=-1) / np.linalg.norm(want, axis=-1)
+    assert cosines.min() > 0.999 and np.abs(got - want).max() > 1e-5  # close, and not fp32's own
+
+
 def test_bad_options_are_one_line(tmp_path, capsys):
     out = str(tmp_path / "out")
     assert "--precision 'int3' is not one of stored, int4, int8" in cli_error(
         capsys, "build", "--targets", "mlx", "--precision", "int3", "--out", out)
+    assert "--activations 'fp8' is not one of float32, bfloat16, float16" in cli_error(
+        capsys, "build", "--targets", "mlx", "--activations", "fp8", "--out", out)
     if not mx.is_available(mx.gpu):
         assert "has no GPU" in cli_error(capsys, "build", "--targets", "mlx", "--device", "gpu", "--out", out)
 

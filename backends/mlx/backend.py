@@ -3,7 +3,10 @@
 
 An artifact is one safetensors file a graph, its weights as MLX holds them (dense in the model's dtype; luts
 codes as MLX's quantised matrices), written by MLX itself; the graph's ops come from the program at load, as
-they do for every backend. Shapes are the plan's: MLX has no static-shape rule, but a graph runs at the shapes
+they do for every backend. On disk a layer's prefill and decode graphs each hold its weights; loaded, the graphs
+of one artifact directory share one copy of each. An expert group runs as mlx-lm's SwitchGLU runs experts, one
+gathered product a projection (:mod:`.switch`); its manifest entry says which way (``experts``). Shapes are the
+plan's: MLX has no static-shape rule, but a graph runs at the shapes
 it declares, so the engine treats it like any NPU graph (the KV cache passed in, every slot). Without MLX the
 registry says to ``pip install 'npumoe[mlx]'`` (on Linux the extra brings ``mlx[cpu]``: ``mlx`` alone has no
 backend there).
@@ -12,6 +15,7 @@ backend there).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,6 +25,7 @@ import torch
 from npumoe.backends.base import BackendBase
 from npumoe.backends.mlx.caps import MLX_CAPS
 from npumoe.backends.mlx.ops import graph_function
+from npumoe.backends.mlx.switch import execution, gathered_experts
 from npumoe.backends.mlx.weights import (
     PRECISIONS,
     QuantizedMatrix,
@@ -36,6 +41,7 @@ from npumoe.core.ir.graph import WEIGHT_PREFIX, Graph
 FORMAT = "mlx-safetensors"
 GRAPH_DIR = "graphs"
 DEVICES = {"gpu": mx.gpu, "cpu": mx.cpu}
+ACTIVATIONS = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 _streams = threading.local()  # MLX streams belong to the thread that made them; the engine runs graphs on several
 
 
@@ -63,13 +69,15 @@ class MlxBackend(BackendBase):
     name = "mlx"
     caps = MLX_CAPS
 
-    def __init__(self, device: str | None = None, precision: str = "stored", **other):
+    def __init__(self, device: str | None = None, precision: str = "stored", activations: str = "float32", **other):
         if other:
             raise InputError(f"--{next(iter(other)).replace('_', '-')} does not apply to mlx; its options are "
-                             "--device and --precision.")
-        if precision not in PRECISIONS:
-            raise InputError(f"--precision {precision!r} is not one of {', '.join(PRECISIONS)} for mlx.")
-        self.device, self.precision = mlx_device(device), precision
+                             "--device, --precision and --activations.")
+        for option, value, allowed in (("precision", precision, PRECISIONS), ("activations", activations, ACTIVATIONS)):
+            if value not in allowed:
+                raise InputError(f"--{option} {value!r} is not one of {', '.join(allowed)} for mlx.")
+        self.device, self.precision, self.activations = mlx_device(device), precision, activations
+        self._loaded: dict[tuple[Path, str], mx.array | QuantizedMatrix] = {}  # graphs of a layer share weights
 
     def lower(self, graph: Graph, weights, out_dir: Path) -> Lowered:
         arrays, quantized = {}, {}
@@ -83,23 +91,37 @@ class MlxBackend(BackendBase):
         rel = Path(GRAPH_DIR) / f"{graph.name}.safetensors"
         (Path(out_dir) / GRAPH_DIR).mkdir(parents=True, exist_ok=True)
         mx.save_safetensors(str(Path(out_dir) / rel), arrays)
-        return Lowered(FORMAT, (str(rel),), {"weights": str(rel), "quantized": quantized, "device": self.device})
+        del arrays
+        mx.clear_cache()  # a graph's arrays are written: MLX need not keep their memory for the next
+        info = {"weights": str(rel), "quantized": quantized, "device": self.device, "activations": self.activations}
+        if graph.kind == "experts":  # one gathered product a projection, or a product an expert
+            gather = self.device == "gpu" or self.activations == "float32"  # (MLX's CPU gather_mm: fp32 only)
+            info["experts"] = execution(graph, quantized, gather)
+        return Lowered(FORMAT, (str(rel),), info)
 
     def load(self, artifact: Lowered, out_dir: Path, graph: Graph, weights) -> MlxExecutor:
         if artifact.format != FORMAT:
             raise ArtifactError(f"{out_dir} was not built for mlx; build it with npumoe build --target mlx.")
         device = mlx_device(artifact.info.get("device"))
-        with mx.stream(stream(device)):
-            arrays = mx.load(str(Path(out_dir) / artifact.info["weights"]))
-            mx.eval(list(arrays.values()))  # read now, not by the first run (on whichever thread that is)
         quantized = artifact.info.get("quantized", {})
-        bound = {name: quantized_from_arrays(arrays, name, *quantized[name]) if name in quantized else arrays[name]
-                 for name in graph.weight_names()}
-        return MlxExecutor(graph, bound, device)
+        with mx.stream(stream(device)):
+            arrays = mx.load(str(Path(out_dir) / artifact.info["weights"]))  # lazily: only what is read is
+            bound = {}
+            for name in graph.weight_names():
+                key = (Path(out_dir).resolve(), name)  # one artifact directory holds one value a name
+                if key not in self._loaded:
+                    value = quantized_from_arrays(arrays, name, *quantized[name]) if name in quantized else arrays[name]
+                    mx.eval(value.arrays(name) if isinstance(value, QuantizedMatrix) else value)  # read now, not by
+                    self._loaded[key] = value  # the first run (on whichever thread that is)
+                bound[name] = self._loaded[key]
+            run = (gathered_experts(graph, bound) if artifact.info.get("experts", "").startswith("gather")
+                   else graph_function(graph, bound, graph.stateless_inputs()))
+        return MlxExecutor(graph, run, device, ACTIVATIONS[artifact.info.get("activations", "float32")])
 
     def describe(self) -> dict:
         return {"name": self.name, "mlx": mx.__version__, "device": self.device, "precision": self.precision,
-                "activations": "float32", "quantised": "MLX affine, scales and biases fp32 (the luts codes exactly)"}
+                "activations": self.activations,
+                "quantised": "MLX affine, scales and biases fp32 (the luts codes exactly)"}
 
 
 def _is_matrix(graph: Graph, name: str) -> bool:
@@ -108,19 +130,20 @@ def _is_matrix(graph: Graph, name: str) -> bool:
 
 
 class MlxExecutor:
-    """One graph as an MLX function: torch tensors in, fp32 torch tensors out, evaluated on its device."""
+    """One graph as an MLX function: torch tensors in (computed in ``dtype``), fp32 torch tensors out, evaluated on
+    its device."""
 
     keeps_state = False
 
-    def __init__(self, graph: Graph, weights: dict[str, mx.array | QuantizedMatrix], device: str):
-        self.graph, self.device = graph, device
+    def __init__(self, graph: Graph, run: Callable[..., list[mx.array]], device: str, dtype: mx.Dtype = mx.float32):
+        """``run``: the graph as an MLX function of its stateless inputs, in order, to its outputs."""
+        self.graph, self._run, self.device, self.dtype = graph, run, device, dtype
         self.inputs = graph.stateless_inputs()
-        self._run = graph_function(graph, weights, self.inputs)
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         check_feed(self.graph, inputs, keeps_state=False, static=True)
         with mx.stream(stream(self.device)):
-            outputs = self._run(*[mx.array(inputs[name].detach().numpy()) for name in self.inputs])
+            outputs = self._run(*[mx.array(inputs[name].detach().numpy()).astype(self.dtype) for name in self.inputs])
             mx.eval(outputs)
         return {name: torch.from_numpy(np.array(out.astype(mx.float32)))
                 for name, out in zip(self.graph.outputs, outputs)}

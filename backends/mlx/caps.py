@@ -42,7 +42,8 @@ MLX_CAPS = Capabilities(
     flops_per_second=3e12,  # estimate: a share of an M2-class GPU's ~3.6 T FP32 peak on FFN-sized matmuls
     weight_bytes_per_second=100e9,  # M2's unified memory bandwidth (Apple newsroom, 2022-06-06); a peak
     notes=("the GPU on a Mac (Metal); elsewhere MLX's CPU backend, which the manifest and --device say",
-           "fp32 activations; weights as the model holds them, luts-packed matrices as MLX quantised matrices"),
+           "fp32 activations (--activations: bf16 or fp16, as mlx-lm runs such models); weights as the model holds "
+           "them, luts-packed matrices as MLX quantised matrices"),
 )
 
 PLUGIN = BackendPlugin(
@@ -52,6 +53,8 @@ PLUGIN = BackendPlugin(
         BuildOption("device", "gpu | cpu (default: MLX's default device, the GPU on a Mac)"),
         BuildOption("precision", "stored (default: weights as the model holds them) | int4 | int8 (routed experts "
                                  "as MLX quantised matrices holding the luts codes the ANE, HTP and CPU run)"),
+        BuildOption("activations", "float32 (default: the reference's) | bfloat16 | float16 (what mlx-lm computes "
+                                   "a bf16 or fp16 model in)"),
     ),
     # fp32 activations, the same weights: conformance measured at most 6.2e-7 relative error on the demo's graphs
     conformance=Conformance(min_cosine=0.99999, max_relative_error=1e-5),

@@ -1,8 +1,9 @@
 """The IR op set (:mod:`npumoe.core.ir.graph`) in MLX, op for op the reference interpreter's semantics
 (:mod:`npumoe.core.compiler.interpreter`), and a graph bound to its weights as one MLX function.
 
-Activations stay fp32; a bf16 or fp16 weight meets them through MLX's type promotion, which widens it exactly,
-as the interpreter does. Attention is MLX's fused ``scaled_dot_product_attention`` (grouped-query heads and
+Activations are fp32 by default, and a bf16 or fp16 weight meets them through MLX's type promotion, which widens
+it exactly, as the interpreter does; with bf16 or fp16 activations (as mlx-lm runs such models) a product stays
+in the weights' dtype. Attention is MLX's fused ``scaled_dot_product_attention`` (grouped-query heads and
 sinks included), the kernel mlx-lm runs.
 """
 

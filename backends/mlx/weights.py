@@ -38,9 +38,9 @@ class QuantizedMatrix:
     group: int
 
     def matmul(self, x: mx.array) -> mx.array:
-        """x · Wᵀ."""
+        """x · Wᵀ, in x's dtype (computed against the fp32 scales and biases)."""
         return mx.quantized_matmul(x, self.codes, self.scales, self.biases, transpose=True, group_size=self.group,
-                                   bits=self.bits)
+                                   bits=self.bits).astype(x.dtype)
 
     def arrays(self, name: str) -> dict[str, mx.array]:
         """Its arrays under ``name`` as a safetensors file holds them (:func:`quantized_from_arrays` reads them)."""

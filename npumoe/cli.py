@@ -73,6 +73,7 @@ BENCHMARKS = {
     "decode": "npumoe.bench.decode:bench_decode_command",
     "cpu": "npumoe.bench.cpu:bench_cpu_command",
     "prefetch": "npumoe.bench.prefetch:bench_prefetch_command",
+    "mlx": "npumoe.bench.mlx:bench_mlx_command",
 }
 
 

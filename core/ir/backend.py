@@ -152,8 +152,8 @@ class Device:
     """A chip a target runs on, as the cost model (:mod:`npumoe.core.planning.costmodel`) reads it."""
 
     name: str
-    npu_tops: float  # peak NPU tera-operations per second (int8 for Qualcomm; Apple: as marketed, fp16 ops)
-    dram_gb_s: float  # what the NPU can stream from DRAM
+    npu_tops: float  # peak tera-ops/s (NPUs: int8 for Qualcomm, Apple's fp16 as marketed; a GPU: FP32 TFLOPS)
+    dram_gb_s: float  # what the accelerator can stream from DRAM
     launch_us: float  # one graph launch, host round trip included
     sources: tuple[tuple[str, str], ...]  # (field, where the number comes from)
 

@@ -217,7 +217,7 @@ def run(console: Console, rounds: int, prefill_tokens: int,
     return rows, bandwidth, None if with_llama else LLAMA_MISSING
 
 
-def _verdict(ratio: float, ours: list[float], theirs: list[float], goal: float) -> str:
+def verdict(ratio: float, ours: list[float], theirs: list[float], goal: float) -> str:
     """The ratio of medians against its goal, with the spread of the rounds' own ratios (each round runs both
     engines back to back, so its ratio shares the machine's state of the moment), and more decimals where two
     would hide which side of the goal it falls on."""
@@ -242,9 +242,9 @@ def render(rows: list[Row], bandwidth: float, note: str | None, console: Console
     for fmt, (_, llama_format) in PAIRS.items():
         ours, theirs = by_key.get(("npumoe", fmt)), by_key.get(("llama.cpp", llama_format))
         if ours and theirs:
-            decode = _verdict(ours.decode_tok_s / theirs.decode_tok_s, ours.decode_rounds, theirs.decode_rounds,
+            decode = verdict(ours.decode_tok_s / theirs.decode_tok_s, ours.decode_rounds, theirs.decode_rounds,
                               GOALS[fmt])
-            prefill = _verdict(ours.prefill_tok_s / theirs.prefill_tok_s, ours.prefill_rounds, theirs.prefill_rounds,
+            prefill = verdict(ours.prefill_tok_s / theirs.prefill_tok_s, ours.prefill_rounds, theirs.prefill_rounds,
                                PREFILL_GOAL)
             console.print(f"npumoe {fmt} / llama.cpp {llama_format}: decode {decode}, prefill {prefill}")
     console.print(f"read bandwidth of this machine (mapped weights, the best pass of a probe each round): "

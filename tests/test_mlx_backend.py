@@ -59,7 +59,7 @@ def quantized(tmp_path_factory):
 
     source, out = tmp_path_factory.mktemp("src"), tmp_path_factory.mktemp("q3")
     build_checkpoint(transformers.Qwen3MoeConfig(**ARCH), source)
-    quantize_checkpoint(source, out, bits=3, group=32)
+    quantize_checkpoint(source, out, bits=3, group=32, head_bits=3)
     return out
 
 

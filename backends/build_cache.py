@@ -18,7 +18,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -27,6 +26,8 @@ from pathlib import Path
 
 from npumoe.core.base.errors import InputError
 from npumoe.core.base.native import cache_dir
+from npumoe.core.base.outputs import temporary_directory
+from npumoe.core.base.progress import Task
 from npumoe.core.ir.graph import Graph
 
 ENTRY = "entry.json"
@@ -93,7 +94,7 @@ class BuildCache:
             self.hits += 1
             return json.loads((done / ENTRY).read_text()), True
         self.misses += 1
-        work = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{key}."))
+        work = temporary_directory(self.root, f".{key}.")
         try:
             start = time.perf_counter()
             entries = lower(work)
@@ -102,7 +103,7 @@ class BuildCache:
             (work / ENTRY).write_text(json.dumps(entries, sort_keys=True))
             for path in work.rglob("*"):  # shared by hard links with every artifact: never edited in place
                 if path.is_file():
-                    path.chmod(0o444)
+                    path.chmod(path.stat().st_mode & 0o555)  # read-only, readable by whom the umask lets read
             try:
                 work.rename(done)
             except OSError:  # another build finished the same unit first: theirs is as good
@@ -148,10 +149,11 @@ def _lower_forked(index: int) -> None:
     BuildCache().fill(_FORKED[index].key, _FORKED[index].lower)
 
 
-def lower_units(units: list[BuildUnit], out_dir: Path, bar, task, jobs: int = 1) -> dict[str, dict]:
-    """Every unit's entries, its files linked into ``out_dir``. With ``jobs`` > 1 the units not yet cached
-    are lowered first by that many forked processes (each fills the cache; a fork shares the mapped
-    weights), then all are linked in order; a worker's error stops the build with that error."""
+def lower_units(units: list[BuildUnit], out_dir: Path, step: Task, jobs: int = 1) -> dict[str, dict]:
+    """Every unit's entries, its files linked into ``out_dir``, each unit's graphs counted on ``step``. With
+    ``jobs`` > 1 the units not yet cached are lowered first by that many forked processes (each fills the cache;
+    a fork shares the mapped weights), then all are linked in order; a worker's error stops the build with
+    that error."""
     cache, fresh = BuildCache(), set()
     todo = [u for u in units if not cache.has(u.key)] if jobs > 1 else []
     if todo:
@@ -159,14 +161,13 @@ def lower_units(units: list[BuildUnit], out_dir: Path, bar, task, jobs: int = 1)
         try:
             with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("fork"),
                                      initializer=_worker_start) as pool:
-                bar.update(task, description=f"{len(todo)} units on {min(jobs, len(todo))} processes")
+                step.describe(f"{step.description}: {len(todo)} units on {min(jobs, len(todo))} processes")
                 running = {pool.submit(_lower_forked, i): u for i, u in enumerate(todo)}
                 try:
                     for done in as_completed(running):
                         done.result()
                         fresh.add(running[done].key)
-                        bar.update(task, description=f"done: {running[done].label}")
-                        bar.advance(task, len(running[done].graphs))
+                        step.advance(len(running[done].graphs))
                 except BaseException:
                     pool.shutdown(wait=False, cancel_futures=True)  # a failed unit fails the build: stop now
                     raise
@@ -176,15 +177,15 @@ def lower_units(units: list[BuildUnit], out_dir: Path, bar, task, jobs: int = 1)
                              "finished so far are cached).") from err
         finally:
             _FORKED.clear()
-    entries = {}
+    entries, title = {}, step.description
     for u in units:
         if u.key not in fresh:
-            bar.update(task, description=u.label)
+            step.describe(f"{title}: {u.label}")
         unit = cache.unit(u.key, out_dir, u.lower)
         if u.key in fresh:
             unit = {name: {**e, "cached": False} for name, e in unit.items()}
         else:
-            bar.advance(task, len(u.graphs))
+            step.advance(len(u.graphs))
         entries |= unit
     return entries
 

@@ -12,6 +12,7 @@ everywhere) follows the process's choice, off unless the CLI turned it on (:func
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ PLAIN_INTERVAL = 5.0  # seconds between plain lines when stderr is not a termina
 
 T = TypeVar("T")
 _by_default = False
+_forked = False  # set in a forked worker, which shows nothing
 _lock = threading.RLock()
 _open: list[Task] = []  # every open, shown step; the innermost last
 _display = None  # the shared live display while a step is on a terminal
@@ -42,7 +44,18 @@ def shown_by_default() -> Iterator[None]:
 
 
 def wanted(progress: bool | None) -> bool:
-    return _by_default if progress is None else bool(progress)
+    return not _forked and (_by_default if progress is None else bool(progress))
+
+
+def _quiet_after_fork() -> None:
+    """A forked worker (``build --jobs``) shows nothing: the parent's display is the user's, and its lock may have
+    been held by the parent's ticker when the fork happened."""
+    global _forked, _lock, _display, _ticker
+    _forked, _lock, _display, _ticker = True, threading.RLock(), None, None
+    _open.clear()
+
+
+os.register_at_fork(after_in_child=_quiet_after_fork)
 
 
 def clock(seconds: float) -> str:
@@ -134,24 +147,23 @@ def note(message: str, progress: bool | None = None) -> None:
         if _display is not None:
             _display.console.print(message, markup=False, highlight=False)
         else:
-            print(message, file=sys.stderr, flush=True)
-
-
-def _on_terminal() -> bool:
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    return console.is_terminal and not console.is_dumb_terminal
+            print(message, file=_ticker.stream if _ticker is not None else sys.stderr, flush=True)
 
 
 class _Ticker(threading.Thread):
     """Shows the open steps once they have run :data:`SHOW_AFTER` seconds: in the live display on a terminal,
-    else as the innermost step's plain line every :data:`PLAIN_INTERVAL` seconds."""
+    else as the innermost step's plain line every :data:`PLAIN_INTERVAL` seconds. It writes to the stderr of
+    the moment the first step opened: a toolchain that silences its own chatter by redirecting ``sys.stderr``
+    during a step (coremltools' conversion) must not silence the step."""
 
     def __init__(self):
+        from rich.console import Console
+
         super().__init__(name="npumoe-progress", daemon=True)
         self.stopped = threading.Event()
-        self.terminal = _on_terminal()
+        self.stream = sys.stderr
+        self.console = Console(file=self.stream)
+        self.terminal = self.console.is_terminal and not self.console.is_dumb_terminal
         self.last_line = time.monotonic()
 
     def run(self) -> None:
@@ -163,22 +175,22 @@ class _Ticker(threading.Thread):
                 if self.terminal:
                     for step in _open:
                         if step.bar_id is None and now - step.started >= SHOW_AFTER:
-                            _show(step)
+                            self.show(step)
                 elif _open and now - max(self.last_line, _open[-1].started) >= PLAIN_INTERVAL:
-                    print(_open[-1].line(), file=sys.stderr, flush=True)
+                    print(_open[-1].line(), file=self.stream, flush=True)
                     self.last_line = now
 
+    def show(self, step: Task) -> None:
+        """``step`` in the live display, which starts with the first step shown."""
+        global _display
+        if _display is None:
+            from rich.progress import BarColumn, Progress, TextColumn
 
-def _show(step: Task) -> None:
-    global _display
-    if _display is None:
-        from rich.console import Console
-        from rich.progress import BarColumn, Progress, TextColumn
-
-        _display = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[step].status}"),
-                            console=Console(stderr=True), transient=True, redirect_stdout=False)
-        _display.start()
-    step.bar_id = _display.add_task(step.description, total=step.total, completed=step.done, step=_Status(step))
+            _display = Progress(TextColumn("{task.description}"), BarColumn(),
+                                TextColumn("{task.fields[step].status}"), console=self.console, transient=True,
+                                redirect_stdout=False, redirect_stderr=False)
+            _display.start()
+        step.bar_id = _display.add_task(step.description, total=step.total, completed=step.done, step=_Status(step))
 
 
 class _Status:

@@ -192,7 +192,7 @@ def demo_command(prompt, max_new_tokens, calibration_texts, out):
     console.print(routing_table(spec, recorder))
 
     texts = [t[:2048] for t in corpus.calibration_texts(calibration_texts)]
-    profile = calibrate(model, texts, chunk=64, window=512, progress=True)
+    profile = calibrate(model, texts, chunk=64, window=512)
     console.print(plan_table(model, profile))
     console.print("[dim]groups: static expert-group graphs per layer; on NPU: those placed on the NPU; padded %: "
                   "predicted share of NPU expert slots that are padding; overflow %: predicted share of routed "

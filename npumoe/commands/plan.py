@@ -52,7 +52,7 @@ def calibrate_command(model_dir, dtype, text_files, chunk, out, plot, compare):
     claim_outputs(out, PROFILE, plot)
     model = load(model_dir, dtype=dtype)
     texts = read_texts(text_files) if text_files else default_calibration_texts()
-    profile = calibrate(model, list(texts.values()), chunk=chunk, progress=True, sources=list(texts)[:50])
+    profile = calibrate(model, list(texts.values()), chunk=chunk, sources=list(texts)[:50])
     profile.save(out)
     table = Table("layer", "chunks", "r = max/mean", "hottest experts", "p50 / p99 / max load")
     for i in profile.layers:

@@ -48,7 +48,7 @@ def quantize_command(model_dir, bits, group, symmetric, linears, head_bits, held
         raise InputError("--head-bits applies with --linears all (the LM head is packed only then); add --linears all.")
     source, heldout = heldout_tokens(model_dir, heldout_file) if heldout_file else (None, None)  # named before work
     head_bits = head_bits or (8 if linears == "all" else None)
-    info = quantize_checkpoint(model_dir, out_dir, bits, group, symmetric, progress=True, linears=linears,
+    info = quantize_checkpoint(model_dir, out_dir, bits, group, symmetric, linears=linears,
                                head_bits=head_bits)
     kind = "symmetric" if info["symmetric"] else "asymmetric"
     click.echo(f"wrote {out_dir}: {info['weights']} at {bits} bits, group {group}, {kind}")

@@ -131,7 +131,7 @@ def task(description: str, total: float | None = None, unit: str = "",
 
 
 def track(items: Iterable[T], description: str, unit: str = "", progress: bool | None = None) -> Iterator[T]:
-    """``items``, one at a time, advancing a step whose total is their number."""
+    """``items`` (listed first, to count them), one at a time, advancing a step whose total is their number."""
     items = list(items)
     with task(description, len(items), unit, progress) as step:
         for item in items:
@@ -167,7 +167,7 @@ class _Ticker(threading.Thread):
         self.last_line = time.monotonic()
 
     def run(self) -> None:
-        while not self.stopped.wait(0.2 if self.terminal else 1.0):
+        while not self.stopped.wait(min(SHOW_AFTER, PLAIN_INTERVAL) / 5):
             with _lock:
                 if self.stopped.is_set():
                     return

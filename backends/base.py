@@ -1,7 +1,7 @@
 """Defaults a backend may keep (see :mod:`npumoe.core.ir.backend` for the contract itself).
 
-:class:`BackendBase` supplies ``build`` (lower every graph through the build cache, with a progress
-bar), ``calibrate`` (a no-op; the HTP records QDQ activation ranges there) and ``describe``.
+:class:`BackendBase` supplies ``build`` (lower every graph through the build cache, its progress on
+stderr), ``calibrate`` (a no-op; the HTP records QDQ activation ranges there) and ``describe``.
 """
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from npumoe.core.base.progress import task
 from npumoe.core.ir.graph import Graph
 
 
 class BackendBase:
-    """Defaults a backend may keep: build = lower each graph in turn, with a progress bar.
+    """Defaults a backend may keep: build = lower each graph in turn, its progress shown.
     Backends that package several graphs together (Core ML multifunction) override build."""
 
     name = "base"
@@ -22,17 +23,17 @@ class BackendBase:
         """Before a build: record what the named NPU graphs see on the reference run. Only backends
         that quantise activations (the HTP's QDQ precisions) need it."""
 
-    def build(self, graphs: list[Graph], weights, out_dir: Path, progress: bool = True,
+    def build(self, graphs: list[Graph], weights, out_dir: Path, progress: bool | None = None,
               jobs: int = 1) -> dict[str, dict]:
         """Lower unit by unit (:meth:`build_units`) through the build cache: a unit lowered before (same
         IR, weights and backend) is linked from the cache, so a killed build resumes where it stopped;
-        ``jobs`` > 1 lowers the missing units in that many processes."""
+        ``jobs`` > 1 lowers the missing units in that many processes. ``progress``: see
+        :mod:`npumoe.core.base.progress`."""
         from npumoe.backends.build_cache import lower_units
 
         units = self.build_units(graphs, weights)
-        with build_progress(progress) as bar:
-            task = bar.add_task(f"compiling for {self.name}", total=len(graphs))
-            return lower_units(units, out_dir, bar, task, jobs)
+        with task(f"compiling for {self.name}", len(graphs), "graphs", progress) as step:
+            return lower_units(units, out_dir, step, jobs)
 
     def build_units(self, graphs: list[Graph], weights) -> list:
         """What :meth:`build` compiles, as :class:`~npumoe.backends.build_cache.BuildUnit` s: one per graph
@@ -51,17 +52,3 @@ class BackendBase:
     def describe(self) -> dict[str, Any]:
         return {"name": self.name}
 
-
-def build_progress(enabled: bool):
-    """The build's progress bar: units done, elapsed, and the time left at the pace so far."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("ETA"), TimeRemainingColumn(), disable=not enabled, transient=True)

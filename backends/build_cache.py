@@ -25,7 +25,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -35,6 +34,8 @@ from pathlib import Path
 from npumoe.core.base.errors import InputError
 from npumoe.core.base.io import sha256_file
 from npumoe.core.base.native import cache_dir
+from npumoe.core.base.outputs import temporary_directory
+from npumoe.core.base.progress import Task
 from npumoe.core.ir.graph import Graph
 
 ENTRY = "entry.json"
@@ -103,7 +104,7 @@ class BuildCache:
         if done.exists():  # damaged, or from before files were recorded: replaced, never linked again
             _remove(done, self.root)
         self.misses += 1
-        work = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{key}."))
+        work = temporary_directory(self.root, f".{key}.")
         try:
             start = time.perf_counter()
             entries = lower(work)
@@ -112,7 +113,7 @@ class BuildCache:
             (work / ENTRY).write_text(json.dumps({"entries": entries, "files": _file_records(work)}, sort_keys=True))
             for path in work.rglob("*"):  # shared by hard links with every artifact: never edited in place
                 if path.is_file():
-                    path.chmod(0o444)
+                    path.chmod(path.stat().st_mode & 0o555)  # read-only, readable by whom the umask lets read
             try:
                 work.rename(done)
             except OSError:  # another build finished the same unit first: theirs is as good
@@ -175,10 +176,11 @@ def _lower_forked(index: int) -> None:
     BuildCache().fill(_FORKED[index].key, _FORKED[index].lower)
 
 
-def lower_units(units: list[BuildUnit], out_dir: Path, bar, task, jobs: int = 1) -> dict[str, dict]:
-    """Every unit's entries, its files linked into ``out_dir``. With ``jobs`` > 1 the units not yet cached
-    are lowered first by that many forked processes (each fills the cache; a fork shares the mapped
-    weights), then all are linked in order; a worker's error stops the build with that error."""
+def lower_units(units: list[BuildUnit], out_dir: Path, step: Task, jobs: int = 1) -> dict[str, dict]:
+    """Every unit's entries, its files linked into ``out_dir``, each unit's graphs counted on ``step``. With
+    ``jobs`` > 1 the units not yet cached are lowered first by that many forked processes (each fills the cache;
+    a fork shares the mapped weights), then all are linked in order; a worker's error stops the build with
+    that error."""
     cache, fresh = BuildCache(), set()
     todo = [u for u in units if not cache.has(u.key)] if jobs > 1 else []
     if todo:
@@ -186,14 +188,13 @@ def lower_units(units: list[BuildUnit], out_dir: Path, bar, task, jobs: int = 1)
         try:
             with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("fork"),
                                      initializer=_worker_start) as pool:
-                bar.update(task, description=f"{len(todo)} units on {min(jobs, len(todo))} processes")
+                step.describe(f"{step.description}: {len(todo)} units on {min(jobs, len(todo))} processes")
                 running = {pool.submit(_lower_forked, i): u for i, u in enumerate(todo)}
                 try:
                     for done in as_completed(running):
                         done.result()
                         fresh.add(running[done].key)
-                        bar.update(task, description=f"done: {running[done].label}")
-                        bar.advance(task, len(running[done].graphs))
+                        step.advance(len(running[done].graphs))
                 except BaseException:
                     pool.shutdown(wait=False, cancel_futures=True)  # a failed unit fails the build: stop now
                     raise
@@ -203,15 +204,15 @@ def lower_units(units: list[BuildUnit], out_dir: Path, bar, task, jobs: int = 1)
                              "finished so far are cached).") from err
         finally:
             _FORKED.clear()
-    entries = {}
+    entries, title = {}, step.description
     for u in units:
         if u.key not in fresh:
-            bar.update(task, description=u.label)
+            step.describe(f"{title}: {u.label}")
         unit = cache.unit(u.key, out_dir, u.lower)
         if u.key in fresh:
             unit = {name: {**e, "cached": False} for name, e in unit.items()}
         else:
-            bar.advance(task, len(u.graphs))
+            step.advance(len(u.graphs))
         entries |= unit
     return entries
 
@@ -228,7 +229,7 @@ def _file_records(unit_dir: Path) -> dict[str, tuple[int, str]]:
 
 def _remove(unit_dir: Path, root: Path) -> None:
     """Move a unit out of the way first (a rename is atomic: no build sees it half deleted), then delete it."""
-    doomed = Path(tempfile.mkdtemp(dir=root, prefix=".removed.")) / unit_dir.name
+    doomed = temporary_directory(root, ".removed.") / unit_dir.name
     try:
         unit_dir.rename(doomed)
     except OSError:  # another build removed or replaced it first

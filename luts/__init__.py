@@ -19,5 +19,8 @@ backends through :mod:`.mappings`. Modules, each with one job:
 Checkpoints that hold these codes are read and written in :mod:`npumoe.models.checkpoints`; the
 benchmarks live in :mod:`npumoe.bench`.
 
-Nothing heavy is imported here: ``import npumoe.luts.spec`` stays numpy-only.
+Nothing heavy is imported here: ``import npumoe.luts.spec`` stays numpy-only, and the bit widths the CLI offers
+need not even numpy.
 """
+
+BITS = (1, 2, 3, 4, 5, 6, 8)  # bits per weight the format takes

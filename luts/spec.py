@@ -56,8 +56,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from npumoe.core.base.errors import InputError, WeightError
+from npumoe.luts import BITS
 
-BITS = (1, 2, 3, 4, 5, 6, 8)
 GROUPS = (32, 64, 128)
 TABLE_BITS = (8, 16)
 TABLE_MAX = {8: 127, 16: 32767}

@@ -14,10 +14,9 @@ from npumoe.luts.torch_op import fast_compute_dtypes
 from npumoe.models.checkpoints.directory import QUANTIZED, canonical_sources, open_checkpoint, weight_files
 from npumoe.models.checkpoints.stored_formats import stored_format, views
 from npumoe.models.checks import check_config, check_spec
+from npumoe.models.demo import DEMO_DIR
 from npumoe.models.registry import adapter_for
 from npumoe.models.tokenizer import load_tokenizer
-
-DEMO_DIR = Path(__file__).parent / "demo"
 
 
 @dataclass

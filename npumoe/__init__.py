@@ -21,12 +21,32 @@ from npumoe.core.base.errors import (
     UnsupportedModelError,
     WeightError,
 )
-from npumoe.core.planning.plan import Plan, plan
-from npumoe.core.planning.profile import RoutingProfile
-from npumoe.core.runtime.calibrate import calibrate
-from npumoe.core.runtime.engine import Engine
-from npumoe.models.loader import Model, load
+
+# imported on first use (PEP 562): `import npumoe.cli` must not import torch just to print `npumoe --help`
+_LAZY = {
+    "Engine": "npumoe.core.runtime.engine",
+    "Model": "npumoe.models.loader",
+    "Plan": "npumoe.core.planning.plan",
+    "RoutingProfile": "npumoe.core.planning.profile",
+    "calibrate": "npumoe.core.runtime.calibrate",
+    "load": "npumoe.models.loader",
+    "plan": "npumoe.core.planning.plan",
+}
 
 __all__ = ["Engine", "Model", "Plan", "RoutingProfile", "calibrate", "load", "plan",
            "NpumoeError", "ArtifactError", "BackendUnavailableError", "InputError", "ModelDirError", "NumericError",
            "UnsupportedModelError", "WeightError"]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'npumoe' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -1,8 +1,10 @@
 """The `npumoe` command line.
 
 Subcommands live in :mod:`npumoe.commands` (benchmarks in :mod:`npumoe.bench`), one module each, and are
-imported only when invoked, so `npumoe --help` stays fast. A subcommand is registered here by its dotted path;
-an installed backend adds its own (``BackendPlugin.commands``: the HTP's ``hub``, the ANE's ``lint``).
+imported only when invoked, so `npumoe --help` stays fast: a subcommand is registered here by its dotted path and
+the line `npumoe --help` lists it with; an installed backend adds its own (``BackendPlugin.commands`` and
+``command_help``: the HTP's ``hub``, the ANE's ``lint``). A command module imports nothing heavy at the top, so its
+own ``--help`` is fast too.
 Any :class:`npumoe.core.base.errors.NpumoeError` becomes one line on stderr and exit code 2.
 """
 
@@ -14,12 +16,14 @@ import sys
 import click
 
 from npumoe.core.base.errors import NpumoeError
+from npumoe.core.base.progress import shown_by_default
 
 
 class LazyGroup(click.Group):
-    """A click group whose commands are ``"module:attribute"`` paths, imported on use."""
+    """A click group whose commands are ``"module:attribute"`` paths, imported on use, each listed in the group's
+    help with the short help given beside its path (so listing them imports none)."""
 
-    def __init__(self, *args, lazy: dict[str, str] | None = None, **kwargs):
+    def __init__(self, *args, lazy: dict[str, tuple[str, str]] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.lazy = dict(lazy or {})
 
@@ -28,9 +32,20 @@ class LazyGroup(click.Group):
 
     def get_command(self, ctx, name):
         if name in self.lazy:
-            module, attr = self.lazy[name].split(":")
-            return getattr(importlib.import_module(module), attr)
+            path, short_help = self.lazy[name]
+            return with_short_help(imported(path), short_help)
         return super().get_command(ctx, name)
+
+    def short_helps(self, ctx) -> dict[str, str]:
+        """Command name → its one line in the group's help."""
+        return {name: short for name, (_, short) in self.lazy.items()}
+
+    def format_commands(self, ctx, formatter):
+        listed = self.short_helps(ctx)
+        rows = [(name, listed[name]) for name in self.list_commands(ctx)]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
 
 
 class MainGroup(LazyGroup):
@@ -47,33 +62,56 @@ class MainGroup(LazyGroup):
         from npumoe.core.ir.backend import plugin_commands, plugin_object
 
         if name in (added := plugin_commands()):
-            return plugin_object(*added[name])
+            record, path = added[name]
+            return with_short_help(plugin_object(record, path), record.command_help.get(name))
         return super().get_command(ctx, name)
 
+    def short_helps(self, ctx) -> dict[str, str]:
+        """A plugin's command without a line in its ``command_help`` is imported for its own."""
+        from npumoe.core.ir.backend import plugin_commands
 
+        added = {name: record.command_help.get(name) for name, (record, _) in plugin_commands().items()}
+        return {**{name: short or self.get_command(ctx, name).get_short_help_str() for name, short in added.items()},
+                **super().short_helps(ctx)}
+
+
+def imported(path: str):
+    module, attr = path.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def with_short_help(command: click.Command, short_help: str | None) -> click.Command:
+    """``command`` showing ``short_help`` in listings (the same line whether or not it was imported)."""
+    if short_help:
+        command.short_help = short_help
+    return command
+
+
+# name → ("module:attribute", the short help `npumoe --help` lists it with)
 COMMANDS = {
-    "inspect": "npumoe.commands.inspect:inspect_command",
-    "generate": "npumoe.commands.generate:generate_command",
-    "demo": "npumoe.commands.generate:demo_command",
-    "calibrate": "npumoe.commands.plan:calibrate_command",
-    "plan": "npumoe.commands.plan:plan_command",
-    "build": "npumoe.commands.build:build_command",
-    "compare": "npumoe.commands.compare:compare_command",
-    "conformance": "npumoe.commands.conformance:conformance_command",
-    "quantize": "npumoe.commands.quantize:quantize_command",
-    "bench": "npumoe.cli:bench",
+    "inspect": ("npumoe.commands.inspect:inspect_command", "Show a checkpoint's layers, experts and sizes."),
+    "generate": ("npumoe.commands.generate:generate_command", "Greedy-generate a continuation."),
+    "demo": ("npumoe.commands.generate:demo_command", "The whole job on the embedded demo model."),
+    "calibrate": ("npumoe.commands.plan:calibrate_command", "Measure how the experts are really used."),
+    "plan": ("npumoe.commands.plan:plan_command", "Plan static shapes for a target."),
+    "build": ("npumoe.commands.build:build_command", "Compile a model's NPU graphs for one or more targets."),
+    "compare": ("npumoe.commands.compare:compare_command", "Compare built targets: accuracy, costs, tokens/s."),
+    "conformance": ("npumoe.commands.conformance:conformance_command",
+                    "Check a backend against the reference interpreter."),
+    "quantize": ("npumoe.commands.quantize:quantize_command", "Quantise weights to the npumoe LUT format."),
+    "bench": ("npumoe.cli:bench", "Benchmarks (speed figures live here)."),
 }
 
 BENCHMARKS = {
-    "runtime": "npumoe.bench.runtime:bench_runtime_command",
-    "lut": "npumoe.bench.lut:bench_lut_command",
-    "hvx": "npumoe.bench.hvx:bench_hvx_command",
-    "neon": "npumoe.bench.neon:bench_neon_command",
-    "scale": "npumoe.bench.scale:bench_scale_command",
-    "decode": "npumoe.bench.decode:bench_decode_command",
-    "cpu": "npumoe.bench.cpu:bench_cpu_command",
-    "prefetch": "npumoe.bench.prefetch:bench_prefetch_command",
-    "mlx": "npumoe.bench.mlx:bench_mlx_command",
+    "runtime": ("npumoe.bench.runtime:bench_runtime_command", "Host-runtime cost and planner padding figures."),
+    "lut": ("npumoe.bench.lut:bench_lut_command", "LUT kernels against streaming bandwidth and fp32."),
+    "hvx": ("npumoe.bench.hvx:bench_hvx_command", "The HVX LUT-GEMV's instruction counts and modelled cost."),
+    "neon": ("npumoe.bench.neon:bench_neon_command", "Estimated NEON LUT kernels on Arm cores."),
+    "scale": ("npumoe.bench.scale:bench_scale_command", "Every command on a real-size checkpoint."),
+    "decode": ("npumoe.bench.decode:bench_decode_command", "Decode tokens/s and host time per layer."),
+    "cpu": ("npumoe.bench.cpu:bench_cpu_command", "npumoe's CPU path against llama.cpp."),
+    "prefetch": ("npumoe.bench.prefetch:bench_prefetch_command", "Decode routing predictor: recall and time saved."),
+    "mlx": ("npumoe.bench.mlx:bench_mlx_command", "npumoe's mlx target against mlx-lm."),
 }
 
 
@@ -100,7 +138,8 @@ def one_line(message: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        cli.main(args=argv, prog_name="npumoe", standalone_mode=False)
+        with shown_by_default():  # long steps report on stderr (library calls stay quiet unless asked)
+            cli.main(args=argv, prog_name="npumoe", standalone_mode=False)
     except NpumoeError as err:
         click.echo(f"error: {one_line(str(err))}", err=True)
         sys.exit(2)

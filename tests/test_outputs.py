@@ -51,7 +51,7 @@ def test_build_keeps_a_file(plan_path, tmp_path, capsys):
 
 
 def test_outputs_of_another_kind_are_refused_before_work(model, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("npumoe.commands.plan.calibrate", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr("npumoe.core.runtime.calibrate.calibrate", lambda *a, **k: pytest.fail("work started"))
     mine = tmp_path / "notes.json"
     mine.write_text("{}")
     assert "exists and is not a routing profile" in cli_error(capsys, "calibrate", "--out", str(mine))
@@ -64,7 +64,7 @@ def test_outputs_of_another_kind_are_refused_before_work(model, tmp_path, capsys
 
 
 def test_unwritable_outputs_are_refused_before_work(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr("npumoe.commands.plan.calibrate", lambda *a, **k: pytest.fail("work started"))
+    monkeypatch.setattr("npumoe.core.runtime.calibrate.calibrate", lambda *a, **k: pytest.fail("work started"))
     (tmp_path / "f").write_text("")
     assert f"cannot be created: {tmp_path / 'f'} is a file, not a directory" in cli_error(
         capsys, "calibrate", "--out", str(tmp_path / "f" / "sub" / "p.json"))
@@ -106,6 +106,44 @@ def test_a_killed_runs_leftovers_are_removed_by_the_next_run(tmp_path):
     live.mkdir()
     claim(out, PLAN)
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
+
+
+@pytest.fixture(params=[0o022, 0o077], ids=["umask-022", "umask-077"])
+def umask(request):
+    before = os.umask(request.param)
+    yield request.param
+    os.umask(before)
+
+
+def test_outputs_get_the_modes_a_plain_open_and_mkdir_give_under_the_users_umask(model, umask, tmp_path,
+                                                                                  monkeypatch):
+    """A profile, a plan and a build are created as the user's own files would be (tempfile's staging is private:
+    0600 and 0700); a build's compiled files are shared with the build cache by hard links, so they are the same
+    read-only."""
+    from npumoe.backends.cpu.backend import CpuBackend
+    from npumoe.core.compiler.artifacts import build
+    from npumoe.core.ir.backend import Lowered
+
+    def lower_to_a_file(self, graph, weights, out_dir):  # as a toolchain writes its artifact: with open()
+        (out_dir / f"{graph.name}.bin").write_bytes(b"compiled")
+        return Lowered("ir", (f"{graph.name}.bin",), {"graph": graph.name})
+
+    monkeypatch.setattr(CpuBackend, "lower", lower_to_a_file)
+    monkeypatch.setenv("NPUMOE_BUILD_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "plain.txt").touch()
+    (tmp_path / "plain").mkdir()
+    file_mode, dir_mode = (os.stat(tmp_path / name).st_mode & 0o777 for name in ("plain.txt", "plain"))
+    assert (file_mode, dir_mode) == (0o666 & ~umask, 0o777 & ~umask)
+    profile = calibrate(model, [list(b"def f(x):\n    return x * 2\n" * 6)], chunk=16)
+    cpu_plan = plan(model, profile, target="cpu", residency="npu")
+    manifest = build(model, cpu_plan, "cpu", tmp_path / "build", max_context=32)
+    mode = {path: os.stat(path).st_mode & 0o777 for path in (profile.save(tmp_path / "profile.json"),
+                                                              cpu_plan.save(tmp_path / "plan.json"),
+                                                              tmp_path / "build" / MANIFEST)}
+    assert set(mode.values()) == {file_mode}, {str(p): oct(m) for p, m in mode.items()}
+    assert os.stat(tmp_path / "build").st_mode & 0o777 == dir_mode
+    compiled = [tmp_path / "build" / rel for rel in manifest["files"] if rel != MANIFEST]
+    assert compiled and {os.stat(p).st_mode & 0o777 for p in compiled} == {file_mode & 0o555}
 
 
 def fake_artifacts(path, files=None, graphs=None):

@@ -311,6 +311,19 @@ def test_stacked_expert_checkpoints_quantise_the_same_matrices(tmp_path):
     assert np.array_equal(npumoe.load(tmp_path / "q").weights[name].numpy(), expected)
 
 
+def test_a_quantised_checkpoint_holds_what_a_checkpoint_needs_and_none_of_the_sources_code(tmp_path, capsys):
+    """The demo's directory holds its training code beside the weights; a quantised copy keeps its config, weights,
+    tokenizer and card, and loads and runs on them alone."""
+    main(["quantize", "--bits", "4", "--out", str(tmp_path / "q")])
+    assert "wrote" in capsys.readouterr().out
+    source = {p.name for p in DEMO_DIR.iterdir() if p.is_file()}
+    assert {"train.py", "corpus.py", MARKER, "CARD.md", "card.json"} <= source  # what the test needs of the demo
+    assert {p.name for p in (tmp_path / "q").iterdir()} == {"config.json", checkpoint.WEIGHTS_FILE, MARKER,
+                                                            "CARD.md", "card.json"}
+    model = npumoe.load(tmp_path / "q")
+    assert len(npumoe.Engine(model).generate(np.asarray(model.tokenizer.encode("def ")), max_new_tokens=2)) == 2
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (DEMO_DIR / "model.safetensors").exists(), reason="the demo model is not trained yet "
                     "(models/demo/model.safetensors absent)")

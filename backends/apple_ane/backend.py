@@ -62,7 +62,7 @@ class AneBackend(BackendBase):
         self._runtimes: dict[Path, object] = {}
 
     # -- build -----------------------------------------------------------------------------------
-    def build(self, graphs, weights, out_dir: Path, progress: bool = True, jobs: int = 1) -> dict[str, dict]:
+    def build(self, graphs, weights, out_dir: Path, progress: bool | None = None, jobs: int = 1) -> dict[str, dict]:
         require_coremltools()
         entries = super().build(graphs, weights, out_dir, progress, jobs)
         self.packages = {Path(e["package"]).stem: e["package_record"] for e in entries.values()}

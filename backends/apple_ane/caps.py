@@ -67,6 +67,7 @@ PLUGIN = BackendPlugin(
     conformance=Conformance(min_cosine=0.9999, max_relative_error=5e-3),
     devices=DEVICES, published=PUBLISHED,
     commands={"lint": "npumoe.backends.apple_ane.lint:lint_command"},
+    command_help={"lint": "Check Core ML packages against the ANE rule table."},
     options=(
         BuildOption("via", "toolchain: coreml (default; .mlpackage) | executorch (.pte)"),
         BuildOption("precision", "fp16 (default) | int4 (blockwise; the HTP's and CPU's luts codes) | palettize4 | "

@@ -55,6 +55,7 @@ PLUGIN = BackendPlugin(
     conformance=Conformance(min_cosine=0.9999, max_relative_error=5e-3),
     devices=DEVICES, published=PUBLISHED,
     commands={"hub": "npumoe.backends.qualcomm_htp.hub:hub_command"},
+    command_help={"hub": "Compile or profile HTP graphs on Qualcomm AI Hub devices."},
     trace="npumoe.backends.qualcomm_htp.trace:HtpTrace",
     options=(
         BuildOption("via", "toolchain: onnx (default; QNN context binaries) | executorch (.pte)"),

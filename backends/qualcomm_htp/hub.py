@@ -17,8 +17,8 @@ from pathlib import Path
 import click
 
 from npumoe.core.base.errors import ArtifactError, BackendUnavailableError
-from npumoe.core.base.io import atomic_write_text
-from npumoe.core.compiler.artifacts import MANIFEST, read_manifest, sha256_file
+from npumoe.core.base.io import atomic_write_text, sha256_file
+from npumoe.core.base.progress import task
 
 COMPILE_OPTIONS = "--target_runtime qnn_context_binary --compute_unit npu"
 HUB_DIR = "hub"
@@ -58,25 +58,26 @@ def compile_requests(manifest: dict, out_dir: Path) -> list[tuple[str, Path]]:
 
 
 def _record(out_dir: Path, manifest: dict, key: str, jobs: dict[str, str], device: str, files: list[Path]) -> None:
+    from npumoe.core.compiler.artifacts import MANIFEST
+
     manifest.setdefault("hub", {})[key] = {"device": device, "jobs": jobs}
     manifest["files"] |= {str(p.relative_to(out_dir)): sha256_file(p) for p in files}
     atomic_write_text(out_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
 
 
 def _wait(jobs: dict, what: str) -> None:
-    from rich.progress import Progress
-
-    with Progress(transient=True) as bar:
-        task = bar.add_task(f"AI Hub {what}", total=len(jobs))
+    with task(f"AI Hub {what}", len(jobs), "jobs") as step:
         for name, job in jobs.items():
-            bar.update(task, description=f"AI Hub {what}: {name}")
+            step.describe(f"AI Hub {what}: {name}")
             status = job.wait()
             if not status.success:
                 raise BackendUnavailableError(f"AI Hub {what} job {job.job_id} for {name} failed: {status.message}.")
-            bar.advance(task)
+            step.advance()
 
 
 def hub_compile(out_dir: Path, device: str) -> dict[str, str]:
+    from npumoe.core.compiler.artifacts import read_manifest
+
     hub = hub_client()
     manifest = read_manifest(out_dir)
     target = hub.Device(device)
@@ -93,6 +94,8 @@ def hub_compile(out_dir: Path, device: str) -> dict[str, str]:
 
 
 def hub_profile(out_dir: Path, device: str) -> dict[str, str]:
+    from npumoe.core.compiler.artifacts import read_manifest
+
     hub = hub_client()
     manifest = read_manifest(out_dir)
     compiled = manifest.get("hub", {}).get("compile", {}).get("jobs")
@@ -122,6 +125,8 @@ def hub_command(action, artifacts, device):
 
     Example: npumoe hub compile --artifacts build/htp --device "Samsung Galaxy S24 (Family)"
     """
+    from npumoe.core.compiler.artifacts import MANIFEST
+
     run = hub_compile if action == "compile" else hub_profile
     ids = run(Path(artifacts), device)
     click.echo(f"{action}: {len(ids)} AI Hub jobs on {device}, recorded in {Path(artifacts) / MANIFEST}")

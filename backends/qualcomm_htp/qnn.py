@@ -52,6 +52,7 @@ def ort_qnn():
         raise BackendUnavailableError(f"the HTP backend needs onnxruntime-qnn ({err}); "
                                       f"install it with {INSTALL}.") from err
     if not _registered:
+        ort.set_default_logger_severity(3)  # errors only: its warnings (and the quantiser's sessions') are not ours
         ort.register_execution_provider_library("QNNExecutionProvider", onnxruntime_qnn.get_library_path())
         _registered = True
     return ort

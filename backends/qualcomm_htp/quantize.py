@@ -12,8 +12,10 @@ constants) get 8 bits per tensor. :data:`SCHEMES` is also what the manifest reco
 
 from __future__ import annotations
 
+import logging
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -77,15 +79,36 @@ def quantize(model, feeds: list[dict[str, np.ndarray]], precision: str, weights:
     overrides = {name: [{"quant_type": weight_type, "axis": 1, "symmetric": True}]
                  for name in sorted(set(linear.values()))}
     reader = _Feeds(feeds, {i.name for i in model.graph.input})
-    config = get_qnn_qdq_config(model, reader, activation_type=QuantType.QUInt16, weight_type=QuantType.QUInt8,
-                                init_overrides=overrides, calibration_providers=["CPUExecutionProvider"])
-    with tempfile.TemporaryDirectory(prefix="npumoe-qdq-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="npumoe-qdq-") as tmp, _quantiser_advice_dropped():
+        config = get_qnn_qdq_config(model, reader, activation_type=QuantType.QUInt16, weight_type=QuantType.QUInt8,
+                                    init_overrides=overrides, calibration_providers=["CPUExecutionProvider"])
         out = Path(tmp) / "qdq.onnx"
         ort_quantize(model, out, config)
         quantized = onnx.load(out)
     if precision == "w4a16":
         _put_luts_codes(quantized, linear, weights)
     return quantized
+
+
+@contextmanager
+def _quantiser_advice_dropped() -> Iterator[None]:
+    """onnxruntime's quantiser logs the same advice twice per graph through the root logger ("consider
+    pre-processing before quantization", its generic ONNX clean-up, which npumoe's exported graphs skip on purpose:
+    the HTP takes them as they are): a user of npumoe build cannot act on it. Only records logged from
+    onnxruntime's own files are dropped, and only while the quantiser runs."""
+    import onnxruntime
+
+    source = str(Path(onnxruntime.__file__).parent)
+
+    def not_onnxruntimes(record: logging.LogRecord) -> bool:
+        return not record.pathname.startswith(source)
+
+    root = logging.getLogger()
+    root.addFilter(not_onnxruntimes)
+    try:
+        yield
+    finally:
+        root.removeFilter(not_onnxruntimes)
 
 
 def _put_luts_codes(model, linear: dict[str, str], weights: Mapping[str, torch.Tensor]) -> None:

@@ -5,19 +5,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from npumoe.core.base.errors import ArtifactError, InputError
-from npumoe.core.base.outputs import staging_prefix
+from npumoe.core.base.outputs import staging_prefix, temporary_file
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write to a temporary file beside ``path``, then rename over it (a killed run's temporary is removed
-    by the next :func:`~npumoe.core.base.outputs.claim` of the same path)."""
+    by the next :func:`~npumoe.core.base.outputs.claim` of the same path); the file gets the mode a plain
+    ``open()`` would give it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=staging_prefix(path), suffix=".tmp")
+    fd, tmp = temporary_file(path.parent, staging_prefix(path), ".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

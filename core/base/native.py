@@ -19,6 +19,7 @@ from pathlib import Path
 
 from npumoe.core.base.errors import BackendUnavailableError
 from npumoe.core.base.io import atomic_write_text, sha256_file
+from npumoe.core.base.progress import note, task
 
 SIDECAR = ".sha256"  # "<size> <sha256>" of the binary beside it, written when it was built
 
@@ -41,11 +42,13 @@ def cache_dir(name: str) -> Path:
 
 def compile_atomically(cmd: list[str], out: Path, what: str) -> Path:
     """Run ``cmd -o <temp>`` and rename the result to ``out``; a failure names ``what`` and shows the
-    compiler's own message."""
+    compiler's own message. The user hears why the first run waits (the CLI; a library call stays quiet)."""
+    note(f"compiling {what} for this machine: once, then cached in {out.parent}")
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".tmp")
     os.close(fd)
     try:
-        result = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
+        with task(f"compiling {what}"):
+            result = subprocess.run([*cmd, "-o", tmp], capture_output=True, text=True)
         if result.returncode:
             raise BackendUnavailableError(f"compiling {what} failed ({' '.join(cmd)}):\n{result.stderr.strip()}")
         os.chmod(tmp, 0o755)

@@ -5,13 +5,17 @@ Every command that writes a path (build, quantize, calibrate, plan, plots, trace
 and an unwritable one fails in the first second instead of after minutes of work. Files are
 written to a temporary sibling and renamed; directories are produced in a staging sibling and
 swapped in when complete. Temporaries carry the writer's process id, so the next run that writes
-the same path removes what a killed run left behind, and never what a live one is writing.
+the same path removes what a killed run left behind, and never what a live one is writing. They are
+created as a plain ``open()`` or ``mkdir`` would create the output itself, under the user's umask (tempfile's
+are private, 0600 and 0700, and would stay so once renamed into place).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -89,6 +93,30 @@ def _check_writable(path: Path, option: str) -> None:
                          "location.") from None
 
 
+def temporary_file(parent: Path, prefix: str, suffix: str = "") -> tuple[int, Path]:
+    """A new file in ``parent``, open for writing: like :func:`tempfile.mkstemp`, but with the mode a plain
+    ``open()`` gives it under the user's umask."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+    return _unique(parent, prefix, suffix, lambda path: os.open(path, flags, 0o666))
+
+
+def temporary_directory(parent: Path, prefix: str) -> Path:
+    """A new directory in ``parent``: like :func:`tempfile.mkdtemp`, but with the mode a plain ``mkdir`` gives it
+    under the user's umask."""
+    return _unique(parent, prefix, "", lambda path: os.mkdir(path, 0o777))[1]
+
+
+def _unique(parent: Path, prefix: str, suffix: str, create):
+    """``(create(path), path)`` for the first unused random name ``prefix…suffix`` in ``parent``."""
+    for _ in range(tempfile.TMP_MAX):
+        path = Path(parent) / f"{prefix}{secrets.token_hex(4)}{suffix}"
+        try:
+            return create(path), path
+        except FileExistsError:
+            continue
+    raise FileExistsError(errno.EEXIST, "no unused temporary name", str(parent))
+
+
 def staging_prefix(path: Path) -> str:
     """Name prefix of this process's temporaries beside ``path``: hidden, and tagged with the pid that owns them."""
     return f".{Path(path).name}.{STAGING_TAG}-{os.getpid()}-"
@@ -124,7 +152,7 @@ def staged_directory(path: str | Path) -> Iterator[Path]:
     removed if the block fails, so ``path`` is never half-written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=staging_prefix(path)))
+    staging = temporary_directory(path.parent, staging_prefix(path))
     try:
         yield staging
         _swap_in(staging, path)

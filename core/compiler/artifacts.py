@@ -22,6 +22,7 @@ from pathlib import Path
 from npumoe.core.base.errors import ArtifactError, InputError
 from npumoe.core.base.io import atomic_write_text, read_json_artifact, sha256_file, sha256_json
 from npumoe.core.base.outputs import OutputKind, claim, json_kind, staged_directory
+from npumoe.core.base.progress import task, track
 from npumoe.core.compiler.program import build_program
 from npumoe.core.ir.backend import Executor, Lowered
 from npumoe.core.ir.graph import Graph
@@ -42,12 +43,13 @@ def io_description(graph: Graph) -> dict:
     }
 
 
-def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512, progress: bool = True,
+def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512, progress: bool | None = None,
           layers: set[int] | None = None, jobs: int = 1, **backend_options) -> dict:
     """Lower every NPU-placed graph of the planned program for ``target``; return the manifest.
 
     ``layers`` builds only those layers' graphs, for a quick look at a large model (the result
-    records it and does not run); ``jobs`` lowers that many units at once, in processes."""
+    records it and does not run); ``jobs`` lowers that many units at once, in processes; ``progress`` (see
+    :mod:`npumoe.core.base.progress`) shows the backend's calibration and the compiles."""
     from npumoe.core.ir.backend import get_backend
 
     out_dir = claim(out_dir, ARTIFACTS)
@@ -68,7 +70,8 @@ def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512,
         if not npu_graphs:
             raise InputError(f"the plan places no graph of layers {sorted(layers)} on the NPU; nothing to build.")
     backend = get_backend(target, **backend_options)
-    backend.calibrate(model, plan, max_context, [g.name for g in npu_graphs])
+    with task(f"calibrating {target}'s graphs", progress=progress):
+        backend.calibrate(model, plan, max_context, [g.name for g in npu_graphs])
     with staged_directory(out_dir) as staging:
         entries = backend.build(npu_graphs, model.weights, staging, progress=progress, jobs=jobs)
         manifest = {
@@ -109,7 +112,7 @@ def read_manifest(out_dir: str | Path, verify: bool = True) -> dict:
     _check_fields(out_dir, manifest)
     _check_plan(out_dir, manifest)
     if verify:
-        for rel, digest in manifest["files"].items():
+        for rel, digest in track(manifest["files"].items(), f"verifying {out_dir}", "files"):
             path = out_dir / rel
             if not path.is_file():
                 raise ArtifactError(f"{path} is listed in the manifest but missing; rebuild with npumoe build.")

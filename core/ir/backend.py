@@ -206,6 +206,7 @@ class BackendPlugin:
     devices: tuple[Device, ...] = ()  # chips it runs on: npumoe compare estimates tokens/s for each
     published: tuple[Published, ...] = ()  # measured figures on those chips that check the estimates
     commands: Mapping[str, str] = field(default_factory=dict)  # CLI name → "module:click_command", imported on use
+    command_help: Mapping[str, str] = field(default_factory=dict)  # CLI name → its line in `npumoe --help`
     trace: str | None = None  # "module:Class" of its DeviceTrace, if it can profile a run
 
     def supports(self, graph: Graph, weight_bytes: int) -> str | None:
@@ -223,7 +224,7 @@ class Backend(Protocol):
 
     def calibrate(self, model, plan, max_context: int, names: list[str]) -> None: ...
 
-    def build(self, graphs: list[Graph], weights, out_dir: Path, progress: bool = True,
+    def build(self, graphs: list[Graph], weights, out_dir: Path, progress: bool | None = None,
               jobs: int = 1) -> dict[str, dict]: ...
 
     def describe(self) -> dict[str, Any]: ...

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from npumoe.core.base.errors import InputError, WeightError
+from npumoe.core.ir import DTYPE_POLICIES
 from npumoe.core.ir.spec import AttentionSpec, MLPSpec, ModelSpec, MoESpec, NormSpec
 from npumoe.core.ir.tensorfile import FLOAT_DTYPES
 
@@ -132,7 +133,6 @@ class TensorSource:
         return cls(tuple(tensor.shape), tensor.dtype, lambda: tensor)
 
 
-DTYPE_POLICIES = ("auto", "float32", "bfloat16", "float16")
 FP32_SHARE_OF_AVAILABLE = 0.5  # ``auto`` computes in fp32 when an fp32 copy takes at most this share of free memory
 
 

@@ -43,14 +43,11 @@ from npumoe.core.ir.backend import Capabilities, capabilities, plugin
 from npumoe.core.ir.identity import check_weights
 from npumoe.core.ir.spec import ModelSpec
 from npumoe.core.ir.weights import expected_shapes, mlp_shapes
+from npumoe.core.planning import GRAPHS_PER_LAYER, METHODS, OVERFLOW_POLICIES, RESIDENCY
 from npumoe.core.planning.profile import RoutingProfile, imbalance
 
-METHODS = ("optimal", "paper", "uniform")
-OVERFLOW_POLICIES = ("spill", "drop", "reroute")
-RESIDENCY = ("auto", "npu", "cpu")
 MAX_GROUP_EXPERTS = 16
 MAX_ALIGNMENT = 1024  # far beyond any NPU's tile (ANE 16, HTP 8, Intel 16): a larger one is an edited plan
-GRAPHS_PER_LAYER = 3  # compiled NPU expert graphs per layer and sequence length, shared by its groups
 KIND = "npumoe.Plan"
 PLAN = OutputKind("a plan (npumoe plan)", directory=False, recognise=json_kind(KIND))
 

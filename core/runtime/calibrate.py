@@ -12,18 +12,19 @@ from collections.abc import Iterable
 import numpy as np
 
 from npumoe.core.base.errors import InputError, whole_number
+from npumoe.core.base.progress import track
 from npumoe.core.planning.profile import LoadRecorder, RoutingProfile
 from npumoe.core.runtime.engine import Engine
 
 
-def calibrate(model, texts, chunk: int = 256, window: int = 2048, progress: bool = False,
+def calibrate(model, texts, chunk: int = 256, window: int = 2048, progress: bool | None = None,
               sources: list[str] | None = None) -> RoutingProfile:
     """Prefill calibration text with the reference engine; record per-chunk expert loads.
 
     Texts are cut into windows of up to ``window`` tokens (a multiple of the chunk), each
     prefilled from an empty cache in chunks exactly as at run time, so routing sees the same
     context it will see in deployment. Only full chunks count: a partial chunk has fewer
-    tokens and would bias capacities low.
+    tokens and would bias capacities low. ``progress``: see :mod:`npumoe.core.base.progress`.
     """
     spec = model.spec
     chunk, window = whole_number(chunk, "chunk", 1), whole_number(window, "window", 1)
@@ -44,12 +45,7 @@ def calibrate(model, texts, chunk: int = 256, window: int = 2048, progress: bool
     windows = [t[s:s + window] for t in token_lists for s in range(0, len(t), window) if len(t) - s >= chunk]
     recorder = LoadRecorder(spec)
     engine = Engine(model, chunk=chunk, max_context=window, on_route=recorder)
-    iterator = windows
-    if progress:
-        from rich.progress import track
-
-        iterator = track(windows, description=f"calibrating ({len(windows)} windows, chunk {chunk})")
-    for piece in iterator:
+    for piece in track(windows, f"calibrating (chunk {chunk})", "windows", progress):
         engine.route(np.asarray(piece[: len(piece) // chunk * chunk]))
     return RoutingProfile(
         model=spec.fingerprint(),

@@ -24,6 +24,7 @@ from npumoe.core.ir.backend import Executor
 from npumoe.core.ir.rope import cos_sin, short_context
 from npumoe.core.ir.spec import MoESpec
 from npumoe.core.ir.weights import compute_bytes
+from npumoe.core.runtime import DEFAULT_CHUNK
 from npumoe.core.runtime.allocator import keep_freed_blocks
 from npumoe.core.runtime.cpu_experts import CpuExperts
 from npumoe.core.runtime.fused import attention_block
@@ -34,7 +35,6 @@ from npumoe.core.runtime.residency import ResidentExecutors
 from npumoe.luts.decode import AttentionBlock, DecodeStep
 from npumoe.luts.torch_op import kernels_take_bf16_prompts, torch_on_one_thread
 
-DEFAULT_CHUNK = 64
 DEFAULT_MAX_CONTEXT = 512
 CACHE_BUCKET = 32  # CPU attention reads the filled cache slots rounded up to this (masks change per bucket)
 

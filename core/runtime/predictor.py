@@ -15,6 +15,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from npumoe.core.base.progress import track
 from npumoe.core.compiler.interpreter import OP_IMPLS
 from npumoe.core.ir.spec import ModelSpec, MoESpec
 
@@ -120,6 +121,6 @@ def routing_traces(model, windows: Iterable, chunk: int) -> list[tuple[int, torc
         if step.moe is not None:
             for name in step.attention.values():
                 engine.executors[name] = Recording(i, engine.executors[name])
-    for ids in windows:
+    for ids in track(windows, "tracing routing", "windows"):
         engine.route(np.asarray(ids))
     return traces

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, MutableMapping
 
+from npumoe.core.base.progress import track
 from npumoe.core.ir.backend import Executor
 from npumoe.core.runtime.metrics import Metrics
 
@@ -56,9 +57,8 @@ class ResidentExecutors(MutableMapping[str, Executor]):
     def load_all(self) -> None:
         """Every graph, now: without a budget, the engine loads all at start so that a damaged artifact is named
         before the first token rather than in the middle of a run."""
-        for name in self._loaders:
-            if name not in self._resident:
-                self._load(name)
+        for name in track([n for n in self._loaders if n not in self._resident], "loading graphs", "graphs"):
+            self._load(name)
 
     def _load(self, name: str) -> Executor:
         executor = self._loaders[name]()

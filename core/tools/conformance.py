@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from npumoe.core.base.progress import task
 from npumoe.core.compiler.interpreter import TorchGraphExecutor, value_shapes
 from npumoe.core.ir.backend import Lowered, get_backend, plugin
 from npumoe.core.ir.graph import OPS, WEIGHT_PREFIX, Graph, Op, Role, TensorType
@@ -70,30 +71,35 @@ class Conformance:
                 "input.wrong_shape": self.wrong_shape, "engine.prefill_decode": self.engine,
                 "artifacts.fresh_process": self.fresh_process, "build.deterministic": self.rebuild}
 
-    def run(self, progress: Callable[[str], None] = lambda check: None) -> list[Outcome]:
+    def run(self, progress: bool | None = None) -> list[Outcome]:
         skips = dict(self.declared.skips)
         outcomes = []
-        for check, fn in self.checks().items():
-            progress(check)
-            if outcomes and outcomes[0].check == "build" and outcomes[0].status == "failed":
-                outcomes.append(Outcome(check, "failed", "not run: the build failed"))
-                continue
-            if check in skips:
-                outcomes.append(Outcome(check, "skipped", skips[check]))
-                continue
-            try:
-                outcomes.append(Outcome(check, "passed", fn()))
-            except NotApplicable as why:
-                outcomes.append(Outcome(check, "skipped", str(why)))
-            except Exception as err:  # a failing backend may raise anything; the table names it
-                outcomes.append(Outcome(check, "failed", f"{type(err).__name__}: {err}"[:300]))
+        checks = self.checks()
+        with task(f"conformance {self.target}", len(checks), "checks", progress) as step:
+            for check, fn in checks.items():
+                step.describe(f"conformance {self.target}: {check}")
+                outcomes.append(self._outcome(check, fn, outcomes, skips))
+                step.advance()
         return outcomes
+
+    @staticmethod
+    def _outcome(check: str, fn: Callable[[], str], before: list[Outcome], skips: dict[str, str]) -> Outcome:
+        if before and before[0].check == "build" and before[0].status == "failed":
+            return Outcome(check, "failed", "not run: the build failed")
+        if check in skips:
+            return Outcome(check, "skipped", skips[check])
+        try:
+            return Outcome(check, "passed", fn())
+        except NotApplicable as why:
+            return Outcome(check, "skipped", str(why))
+        except Exception as err:  # a failing backend may raise anything; the table names it
+            return Outcome(check, "failed", f"{type(err).__name__}: {err}"[:300])
 
     # -- the checks -----------------------------------------------------------------------------
     def build(self) -> str:
         from npumoe.core.compiler.artifacts import build
 
-        manifest = build(self.model, self.plan, self.target, self.artifacts, max_context=MAX_CONTEXT, progress=False)
+        manifest = build(self.model, self.plan, self.target, self.artifacts, max_context=MAX_CONTEXT)
         return f"{len(manifest['graphs'])} graphs"
 
     def one_op(self, op: str) -> str:
@@ -235,7 +241,7 @@ class Conformance:
         previous = os.environ.get("NPUMOE_BUILD_CACHE")
         os.environ["NPUMOE_BUILD_CACHE"] = str(self.work / "empty-cache")
         try:
-            build(self.model, self.plan, self.target, again, max_context=MAX_CONTEXT, progress=False)
+            build(self.model, self.plan, self.target, again, max_context=MAX_CONTEXT)
         finally:
             if previous is None:
                 os.environ.pop("NPUMOE_BUILD_CACHE", None)
@@ -303,6 +309,10 @@ def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1) + 1e-30)
 
 
-def run_conformance(target: str, progress: Callable[[str], None] = lambda check: None) -> list[Outcome]:
+def run_conformance(target: str, progress: bool | None = None) -> list[Outcome]:
+    """Every check for ``target`` (``progress``: shown on stderr; None: as the process says, see
+    :mod:`npumoe.core.base.progress`)."""
     with tempfile.TemporaryDirectory(prefix="npumoe-conformance-") as work:
-        return Conformance(target, Path(work)).run(progress)
+        with task(f"conformance {target}: loading, calibrating and planning the demo model", progress=progress):
+            checks = Conformance(target, Path(work))
+        return checks.run(progress)

@@ -45,10 +45,11 @@ def check_targets(targets: list[str], options: dict[str, dict]) -> None:
 
 def build_targets(model, targets: list[str], texts: dict[str, str], heldout_ids, out_dir, *, chunk: int,
                   max_context: int = 512, residency: str = "auto", options: dict[str, dict] | None = None,
-                  progress: bool = True, report=lambda message: None, profile=None,
+                  progress: bool | None = None, report=lambda message: None, profile=None,
                   graphs_per_layer: int = GRAPHS_PER_LAYER) -> dict:
     """Build ``targets`` from one calibration of ``texts`` (or the given ``profile``); validate each on
-    ``heldout_ids``; return the top-level manifest. ``report`` hears one line per step (the CLI prints them)."""
+    ``heldout_ids``; return the top-level manifest. ``report`` hears one line per step (the CLI prints them);
+    ``progress`` shows each step's own (see :mod:`npumoe.core.base.progress`)."""
     options = options or {}
     out_dir = claim(out_dir, TARGETS)
     check_targets(targets, options)
@@ -64,7 +65,7 @@ def build_targets(model, targets: list[str], texts: dict[str, str], heldout_ids,
             build(model, target_plan, target, staging / target, max_context=max_context, progress=progress,
                   **options.get(target, {}))
             report(f"{target}: validating on {len(heldout_ids)} held-out tokens")
-            checked = validate(model, target, staging / target, heldout_ids)
+            checked = validate(model, target, staging / target, heldout_ids, progress=progress)
             work = workload(model.spec, target_plan, checked.npu_launches_per_chunk)
             entries[target] = {"dir": target, "options": options.get(target, {}), "predicted": target_plan.predicted,
                                "cpu_graphs": target_plan.cpu_graphs, "validation": checked.to_json(),

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from npumoe.core.base.errors import InputError
+from npumoe.core.base.progress import task
 from npumoe.core.runtime.engine import Engine
 
 GREEDY_TOKENS = 16
@@ -36,18 +37,27 @@ class Validation:
         return asdict(self)
 
 
-def validate(model, target: str, artifacts, ids, greedy_tokens: int = GREEDY_TOKENS) -> Validation:
-    """``target``'s built ``artifacts`` against the fp32 reference on held-out token ``ids``."""
+def validate(model, target: str, artifacts, ids, greedy_tokens: int = GREEDY_TOKENS,
+             progress: bool | None = None) -> Validation:
+    """``target``'s built ``artifacts`` against the fp32 reference on held-out token ``ids`` (``progress``: see
+    :mod:`npumoe.core.base.progress`)."""
     ids = np.asarray(ids)
     if ids.size < MIN_TOKENS:
         raise InputError(f"the held-out text has {ids.size} tokens; validation needs at least {MIN_TOKENS}.")
-    run = Engine(model, backend=target, artifacts=artifacts)
-    ids = ids[: run.cache.capacity - greedy_tokens]  # room for the greedy continuation
-    reference = Engine(model, chunk=run.program.chunk, max_context=run.cache.capacity)
-    want, got = reference.forward(ids), run.forward(ids)
+    with task(f"validating {target}", 3, "steps", progress) as step:
+        step.describe(f"validating {target}: loading its graphs")
+        run = Engine(model, backend=target, artifacts=artifacts)
+        ids = ids[: run.cache.capacity - greedy_tokens]  # room for the greedy continuation
+        reference = Engine(model, chunk=run.program.chunk, max_context=run.cache.capacity)
+        step.advance()
+        step.describe(f"validating {target}: {len(ids)} held-out tokens against the reference")
+        want, got = reference.forward(ids), run.forward(ids)
+        step.advance()
+        step.describe(f"validating {target}: {greedy_tokens} greedy tokens against the reference")
+        prompt = ids[: max(1, len(ids) // 2)]
+        greedy = _leading_matches(reference.generate(prompt, greedy_tokens), run.generate(prompt, greedy_tokens))
+        step.advance()
     m = run.metrics
-    prompt = ids[: max(1, len(ids) // 2)]
-    greedy = _leading_matches(reference.generate(prompt, greedy_tokens), run.generate(prompt, greedy_tokens))
     routed, npu_slots = max(m["routed"], 1), m["routed"] - m["spilled"] - m["dropped"] + m["padded"]
     chunks = -(-len(ids) // run.program.chunk)
     return Validation(

@@ -38,6 +38,7 @@ from npumoe.core.ir.tensorfile import SafetensorsFile
 from npumoe.core.ir.weights import TensorSource, Weights, expected_shapes, expert, tensor_digest
 from npumoe.luts import layout, mappings, spec
 from npumoe.luts.torch_op import LutLinear
+from npumoe.models.checkpoints import LINEARS
 from npumoe.models.checkpoints.directory import QUANTIZED as SECTION
 
 FORMAT, VERSION = "npumoe-luts", 1
@@ -46,7 +47,6 @@ METADATA_KEY = "npumoe.luts"
 PARTS = ("planes", "scales", "zeros")
 
 
-LINEARS = {"experts": "routed experts", "all": "every linear but the routers"}
 HEAD = "lm_head.weight"
 
 

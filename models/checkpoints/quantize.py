@@ -1,7 +1,9 @@
 """`npumoe quantize`: a Hugging Face checkpoint → an npumoe-quantised one (:mod:`.checkpoint`).
 
 Routed-expert matrices, most of an MoE's bytes and the ones cold experts stream from
-memory, are quantised round-to-nearest per group; everything else is copied unchanged.
+memory, are quantised round-to-nearest per group; every other tensor is copied unchanged. Beside the weights
+and config.json, only what a checkpoint needs comes along (:data:`KEPT`: the tokenizer's files, generation
+defaults, the card and licence), never the source's code or other files.
 The checkpoint is written into a staging directory beside ``--out`` that replaces it only when
 complete, so an interrupted run leaves nothing half-written; ``--out`` must be new, empty or an
 earlier npumoe-quantised checkpoint (:mod:`npumoe.core.base.outputs`).
@@ -9,29 +11,34 @@ earlier npumoe-quantised checkpoint (:mod:`npumoe.core.base.outputs`).
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import shutil
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from rich.progress import MofNCompleteColumn, Progress
 
 from npumoe.core.base.errors import InputError
 from npumoe.core.base.outputs import OutputKind, claim, json_object, staged_directory
+from npumoe.core.base.progress import track
 from npumoe.core.ir.tensorfile import SafetensorsWriter
 from npumoe.core.ir.weights import Weights
 from npumoe.luts import spec
+from npumoe.models.checkpoints import HEAD_BITS
 from npumoe.models.checkpoints import lut as checkpoint
-from npumoe.models.checkpoints.directory import PICKLE_SUFFIXES, canonical_sources, open_checkpoint
+from npumoe.models.checkpoints.directory import canonical_sources, open_checkpoint
 from npumoe.models.checkpoints.stored_formats import stored_format, views
 from npumoe.models.loader import config_spec, is_gptq, read_config
+from npumoe.models.tokenizer import MARKER
 
+# the source's files a quantised checkpoint keeps (shell patterns, any case): Hugging Face's tokenizer files and
+# npumoe's byte marker, generation defaults, and the card and licence that travel with the weights
+KEPT = ("tokenizer*.json", "tokenizer.model", "*.spm", "spiece.model", "vocab.*", "merges.txt",
+        "special_tokens_map.json", "added_tokens.json", "chat_template.*", MARKER, "generation_config.json",
+        "readme", "readme.*", "card.*", "license", "license.*", "notice", "notice.*", "use_policy.*")
 QUANTIZED_CHECKPOINT = OutputKind("an npumoe-quantised checkpoint", directory=True,
                                   recognise=lambda path: checkpoint.SECTION in json_object(path / "config.json"))
-
-
-HEAD_BITS = 6  # llama.cpp's Q4_0 and Q2_K files keep their LM head at 6 bits (Q6_K) too
 
 
 def default_head_bits(bits: int) -> int:
@@ -41,11 +48,11 @@ def default_head_bits(bits: int) -> int:
 
 
 def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int, symmetric: bool = False,
-                        progress: bool = False, linears: str = "all", head_bits: int | None = None) -> dict:
+                        progress: bool | None = None, linears: str = "all", head_bits: int | None = None) -> dict:
     """Write the quantised checkpoint of ``src`` to ``out``; returns its config section. ``linears`` is
     "all" (every linear but the routers, :func:`checkpoint.quantized_names`: what the CPU decodes fastest) or
     "experts" (the routed experts, for the NPU paths that take only those); ``head_bits`` the LM head's bits when
-    it is packed (default :func:`default_head_bits`)."""
+    it is packed (default :func:`default_head_bits`); ``progress``: see :mod:`npumoe.core.base.progress`."""
     src, out = Path(src), Path(out)
     cfg = read_config(src)
     if checkpoint.SECTION in cfg:
@@ -80,34 +87,33 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int,
     with staged_directory(out) as staging:
         _write_weights(staging / checkpoint.WEIGHTS_FILE, weights, bits_of, group, symmetric, progress)
         for file in src.iterdir():
-            if file.is_file() and file.name != "config.json" and not _is_weights(file):
+            if file.is_file() and kept(file.name):
                 shutil.copyfile(file, staging / file.name)
         (staging / "config.json").write_text(json.dumps(plain | {checkpoint.SECTION: info}, indent=2))
     return info
 
 
 def _write_weights(path: Path, weights: Weights, packed: dict[str, int], group: int, symmetric: bool,
-                   progress: bool) -> None:
+                   progress: bool | None) -> None:
     """Stream tensor by tensor from the mapped source into the output file: memory holds one matrix."""
     writer = SafetensorsWriter(path, tensors=len(weights) * len(checkpoint.PARTS))  # at most: every one packed
     meta = {}
     try:
-        with Progress(*Progress.get_default_columns(), MofNCompleteColumn(), disable=not progress,
-                      transient=True) as bar:
-            for name in bar.track(list(weights), description=f"quantising {len(packed)} matrices"):
-                stored = weights.source(name).read()
-                if name not in packed:
-                    writer.add(name, stored)
-                    continue
-                p = spec.quantize_pack(stored.float().numpy(), packed[name], group, symmetric)
-                for part in checkpoint.PARTS:
-                    writer.add(f"{name}.{part}", torch.from_numpy(getattr(p, part)))
-                meta[name] = asdict(p.meta)
+        for name in track(weights, f"quantising {len(packed)} matrices", "tensors", progress):
+            stored = weights.source(name).read()
+            if name not in packed:
+                writer.add(name, stored)
+                continue
+            p = spec.quantize_pack(stored.float().numpy(), packed[name], group, symmetric)
+            for part in checkpoint.PARTS:
+                writer.add(f"{name}.{part}", torch.from_numpy(getattr(p, part)))
+            meta[name] = asdict(p.meta)
         writer.finish({checkpoint.METADATA_KEY: json.dumps(meta, sort_keys=True)})
     except BaseException:
         writer.abort()
         raise
 
 
-def _is_weights(file: Path) -> bool:
-    return file.name.endswith((".safetensors", ".safetensors.index.json")) or file.suffix in PICKLE_SUFFIXES
+def kept(name: str) -> bool:
+    """Whether a quantised checkpoint keeps the source's file ``name`` (its weights and config are written anew)."""
+    return any(fnmatch.fnmatch(name.lower(), pattern.lower()) for pattern in KEPT)

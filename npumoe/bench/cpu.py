@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import click
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from npumoe.bench.scale import CACHE, QWEN3_30B_A3B, mapped_reader, write_random_checkpoint
 from npumoe.core.base.native import native_output_silenced
+from npumoe.core.base.progress import task
 
 CONFIG = {**QWEN3_30B_A3B, "num_hidden_layers": 2, "vocab_size": 8192, "bos_token_id": 1, "eos_token_id": 2}
 CHECKPOINT = CACHE / "qwen3-30b-a3b-2-layers-vocab8192"
@@ -64,7 +65,7 @@ class NpumoeRunner:
         self.engine = npumoe.Engine(self.model, max_context=512)
         self.weight_bytes = npumoe_decode_bytes(self.model)
 
-    def prefill(self, ids: np.ndarray) -> int:
+    def prefill(self, ids) -> int:
         return int(self.engine.generate(ids, max_new_tokens=1)[0])  # the LM head on the last chunk only
 
     def decode(self, token: int, tokens: int) -> None:
@@ -81,7 +82,7 @@ class LlamaRunner:
                              n_threads_batch=THREADS, verbose=False)
         self.weight_bytes = gguf_decode_bytes(path)
 
-    def prefill(self, ids: np.ndarray) -> int:
+    def prefill(self, ids) -> int:
         self.llm.reset()
         self.llm.eval(ids.tolist())
         return self._next()
@@ -92,7 +93,7 @@ class LlamaRunner:
             token = self._next()
 
     def _next(self) -> int:
-        return int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        return int(self.llm.scores[self.llm.n_tokens - 1].argmax())
 
 
 def npumoe_decode_bytes(model) -> int:
@@ -107,8 +108,8 @@ def npumoe_decode_bytes(model) -> int:
         if name in packed:
             size = sum(b.nbytes for b in packed[name].buffers())
         else:
-            size = np.prod(weights.source(name).shape) * (4 if len(weights.source(name).shape) == 1 else
-                                                          weights.dtype.itemsize)
+            size = math.prod(weights.source(name).shape) * (4 if len(weights.source(name).shape) == 1 else
+                                                            weights.dtype.itemsize)
         if ".experts." in name:
             moe = spec.layers[int(name.split(".")[1])].ffn
             size *= moe.router.top_k / moe.num_experts
@@ -134,22 +135,20 @@ def gguf_decode_bytes(path: Path) -> int:
     return int(total)
 
 
-def prepared(console: Console, with_llama: bool) -> dict[str, tuple[Path, Path | None]]:
+def prepared(with_llama: bool) -> dict[str, tuple[Path, Path | None]]:
     """npumoe format → (its checkpoint, the llama.cpp GGUF it is paired with), written once."""
     import npumoe
     from npumoe.models.checkpoints.quantize import quantize_checkpoint
 
-    with console.status("writing the model (once)"):
-        source = write_random_checkpoint(CONFIG, CHECKPOINT, progress=False)
+    source = write_random_checkpoint(CONFIG, CHECKPOINT)
     paths = {}
     for fmt, (bits, llama_format) in PAIRS.items():
         ckpt = source if bits is None else source.with_name(f"{source.name}-int{bits}")
         if bits is not None and not (ckpt / "config.json").is_file():
-            with console.status(f"npumoe quantize --bits {bits} (once)"):
-                quantize_checkpoint(source, ckpt, bits=bits, group=64)
+            quantize_checkpoint(source, ckpt, bits=bits, group=64)
         gguf_path = GGUF_DIR / f"model-{llama_format}.gguf" if with_llama else None
         if gguf_path is not None and not gguf_path.is_file():
-            with console.status(f"writing the {llama_format} GGUF (once)"):
+            with task(f"writing the {llama_format} GGUF (once)"):
                 _write_gguf(npumoe.load(source, dtype="bfloat16"), llama_format)
         paths[fmt] = (ckpt, gguf_path)
     return paths
@@ -183,18 +182,19 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def run(console: Console, rounds: int, prefill_tokens: int,
-        decode_tokens: int) -> tuple[list[Row], float, str | None]:
+def run(rounds: int, prefill_tokens: int, decode_tokens: int) -> tuple[list[Row], float, str | None]:
     """Both engines' rows (medians of the rounds), and the machine's read bandwidth in GB/s: the best of a probe
     run in every round, between the engines, since a shared machine's bandwidth moves during a run (one probe
     after the rounds could read less than decode had streamed: docs/performance.md, "bench cpu")."""
+    import numpy as np
+
     with_llama = all(importlib.util.find_spec(m) for m in ("llama_cpp", "gguf"))
-    paths = prepared(console, with_llama)
+    paths = prepared(with_llama)
     rng = np.random.default_rng(0)
     prompt = rng.integers(3, CONFIG["vocab_size"], prefill_tokens)
     short = prompt[:16]  # decode starts after a 16-token prompt
     runners = {}
-    with console.status("loading both engines"):
+    with task("loading both engines"):
         for fmt, (ckpt, gguf_path) in paths.items():
             runners[("npumoe", fmt)] = NpumoeRunner(ckpt)
             if gguf_path is not None:
@@ -202,16 +202,18 @@ def run(console: Console, rounds: int, prefill_tokens: int,
         read_bandwidth = mapped_reader(CHECKPOINT)
     times: dict[tuple[str, str], tuple[list[float], list[float]]] = {key: ([], []) for key in runners}
     bandwidth = 0.0
-    for r in range(1 - WARMUP_ROUNDS, rounds + 1):  # rounds up to 0 warm up, untimed
-        for key, runner in runners.items():  # npumoe and llama.cpp alternate, format by format
-            with console.status(f"round {r}/{rounds}: {key[0]} {key[1]}" if r > 0 else f"warming up {key[0]} {key[1]}"):
+    with task("timing", (WARMUP_ROUNDS + rounds) * len(runners), "runs") as step:
+        for r in range(1 - WARMUP_ROUNDS, rounds + 1):  # rounds up to 0 warm up, untimed
+            for key, runner in runners.items():  # npumoe and llama.cpp alternate, format by format
+                step.describe(f"round {r}/{rounds}: {key[0]} {key[1]}" if r > 0 else f"warming up {key[0]} {key[1]}")
                 prefill = timed(lambda: runner.prefill(prompt))
                 token = runner.prefill(short)
                 decode = timed(lambda: runner.decode(token, decode_tokens))
-            if r > 0:
-                times[key][0].append(decode_tokens / decode)
-                times[key][1].append(prefill_tokens / prefill)
-        bandwidth = max(bandwidth, read_bandwidth() / 1e9)
+                step.advance()
+                if r > 0:
+                    times[key][0].append(decode_tokens / decode)
+                    times[key][1].append(prefill_tokens / prefill)
+            bandwidth = max(bandwidth, read_bandwidth() / 1e9)
     rows = [Row(engine, fmt, statistics.median(dec), statistics.median(pre), runners[(engine, fmt)].weight_bytes / 1e6,
                 dec, pre) for (engine, fmt), (dec, pre) in times.items()]
     return rows, bandwidth, None if with_llama else LLAMA_MISSING
@@ -274,10 +276,9 @@ def bench_cpu_command(rounds, prefill_tokens, decode_tokens, as_json):
       npumoe bench cpu
       npumoe bench cpu --rounds 5 --json
     """
-    console = Console(stderr=as_json)
-    rows, bandwidth, note = run(console, rounds, prefill_tokens, decode_tokens)
+    rows, bandwidth, note = run(rounds, prefill_tokens, decode_tokens)
     if as_json:
         click.echo(json.dumps({"rows": [asdict(r) | {"decode_gb_s": r.gb_s()} for r in rows],
                                "read_bandwidth_gb_s": bandwidth, "note": note}, indent=1))
     else:
-        render(rows, bandwidth, note, console)
+        render(rows, bandwidth, note, Console())

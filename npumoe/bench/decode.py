@@ -11,14 +11,12 @@ import time
 from pathlib import Path
 
 import click
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from npumoe.bench.scale import CACHE, MODELS, write_random_checkpoint
 from npumoe.commands.options import dtype_option
-from npumoe.core.runtime.engine import Engine
-from npumoe.models.loader import load
+from npumoe.core.base.progress import task
 
 PROMPT = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n"
 HOST_GOAL_US = 100  # per layer per decode token (issue 17)
@@ -54,8 +52,11 @@ def host_inside_layers(spans: list[tuple[str, float, float]]) -> float:
     return host
 
 
-def measure(engine: Engine, tokens: int) -> dict:
-    """Decode ``tokens`` tokens after a short prompt; host = wall time not spent inside executors."""
+def measure(engine, tokens: int) -> dict:
+    """Decode ``tokens`` tokens after a short prompt (``engine``: an :class:`~npumoe.core.runtime.engine.Engine`);
+    host = wall time not spent inside executors."""
+    import numpy as np
+
     ids = np.asarray(engine.model.tokenizer.encode(PROMPT) if engine.model.tokenizer else range(1, 33))
     ids = ids[ids < engine.spec.vocab_size]
     room = engine.cache.capacity - len(ids) - 1
@@ -123,13 +124,15 @@ def bench_decode_command(model_name, layers, tokens, dtype, as_json):
       npumoe bench decode --model qwen3-30b-a3b --layers 2  # Qwen3-30B-A3B's widths, 2 of its 48 layers
       npumoe bench decode --model qwen3-30b-a3b --dtype bfloat16  # its weights read as stored (bf16 kernels)
     """
-    console = Console(stderr=as_json)
-    with console.status("loading"):
+    from npumoe.core.runtime.engine import Engine
+    from npumoe.models.loader import load
+
+    with task("loading"):
         model = load(None if model_name == "demo" else real_width_checkpoint(model_name, layers), dtype=dtype)
         engine = Engine(model)
-    with console.status(f"decoding {tokens} tokens"):
+    with task(f"decoding {tokens} tokens"):
         result = measure(engine, tokens)
     if as_json:
         click.echo(json.dumps(result, indent=1))
     else:
-        render(result, console)
+        render(result, Console())

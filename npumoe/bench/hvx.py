@@ -9,12 +9,13 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from npumoe.bench.hvx_measure import COUNTED, FORMATS, run
-from npumoe.luts import spec
-from npumoe.luts.hvx import cost
+from npumoe.core.base.progress import task
 
 
 def render(result: dict, console: Console) -> None:
+    from npumoe.bench.hvx_measure import COUNTED, FORMATS
+    from npumoe.luts.hvx import cost
+
     n, k = result["shape"]
     counts = Table(title=f"HVX instructions per {n}×{k} GEMV, group {result['group']} (compiled kernel)")
     counts.add_column("instruction")
@@ -49,8 +50,12 @@ def render(result: dict, console: Console) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def bench_hvx_command(n: int, k: int, group: str, as_json: bool) -> None:
     """Instruction counts and a modelled cost of the HVX LUT-GEMV, checked bit-exact under qemu-hexagon."""
+    from npumoe.bench.hvx_measure import run
+    from npumoe.luts import spec
+
     spec.check_group(int(group), k)
-    result = run(n, k, int(group))
+    with task("counting the HVX kernel's instructions under qemu-hexagon"):
+        result = run(n, k, int(group))
     if as_json:
         click.echo(json.dumps(result))
     else:

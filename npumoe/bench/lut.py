@@ -8,15 +8,14 @@ import os
 
 import click
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
-from npumoe.bench.lut_measure import FORMATS, PREFILL_ROWS, run
-from npumoe.luts import spec
-from npumoe.luts.kernels import default_threads
+from npumoe.core.base.progress import task
 
 
 def render(result: dict, console: Console) -> None:
+    from npumoe.bench.lut_measure import FORMATS, PREFILL_ROWS
+
     n, k = result["shape"]
     decode = Table(title=f"Decode: LUT-GEMV {n}×{k}, group {result['group']}, {result['kernel']} "
                          "(weights rotated through DRAM)")
@@ -55,13 +54,15 @@ def render(result: dict, console: Console) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def bench_lut_command(size, group, repeats, kernel, rotate_mb, as_json):
     """LUT-GEMV / LUT-dequant GEMM vs streaming bandwidth and fp32 (4096², group 64, int4 and int2)."""
+    from npumoe.bench.lut_measure import FORMATS, run
+    from npumoe.luts import spec
+    from npumoe.luts.kernels import default_threads
+
     spec.check_group(group, size)
-    console = Console(stderr=as_json)
     steps = len({1, default_threads()}) * (1 + len(FORMATS))
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("benchmarking", total=steps)
-        result = run(size, size, group, repeats, kernel, rotate_mb * 2**20, lambda: progress.advance(task))
+    with task("benchmarking the LUT kernels", steps, "measurements") as step:
+        result = run(size, size, group, repeats, kernel, rotate_mb * 2**20, step.advance)
     if as_json:
         click.echo(json.dumps(result, indent=1))
     else:
-        render(result, console)
+        render(result, Console())

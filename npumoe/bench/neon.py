@@ -9,14 +9,16 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from npumoe.bench.lut_measure import FORMATS
-from npumoe.luts import estimate
-from npumoe.luts.kernels import available
+from npumoe.core.base.progress import task
 
 READ_GB_S = 40  # a phone's or an M1's attainable read bandwidth, roughly: what "cores to stream" is counted against
 
 
 def run() -> dict:
+    from npumoe.bench.lut_measure import FORMATS
+    from npumoe.luts import estimate
+    from npumoe.luts.kernels import available
+
     result = {"estimate_is_a_model": True, "neon": [], "neon_int8": [], "host_check": [], "host_check_int8": []}
     for cpu in estimate.NEON_CPUS:
         for bits in FORMATS.values():
@@ -80,7 +82,7 @@ def bench_neon_command(as_json: bool) -> None:
     """Estimate the NEON LUT-GEMV (decode) and int8 GEMM (3-4-bit prompts) on Arm cores (Cortex-X1/A710/A55, Apple
     M1) with llvm-mca, from the inner loops the AArch64 compiler builds, and check the method against this
     machine's own kernels."""
-    with Console(stderr=True).status("compiling the inner loop per format and running llvm-mca per core model"):
+    with task("compiling the inner loop per format and running llvm-mca per core model"):
         result = run()
     if as_json:
         click.echo(json.dumps(result, indent=1))

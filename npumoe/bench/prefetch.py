@@ -13,12 +13,10 @@ import json
 from collections import OrderedDict
 
 import click
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from npumoe.bench.runtime import demo_texts
-from npumoe.core.runtime.predictor import RoutingPredictor, recall_at, routing_traces
+from npumoe.core.base.progress import track
 
 WINDOW = 512  # tokens per traced window
 PREDICTORS = ("popularity", "early router", "fitted")
@@ -37,6 +35,10 @@ def per_token(traces) -> list[tuple[int, object, object, object]]:
 
 def predictions(model, calibration, held, budget: int) -> dict[str, list[list[int]]]:
     """Per held-out token and layer, each predictor's ``budget`` experts."""
+    import numpy as np
+
+    from npumoe.core.runtime.predictor import RoutingPredictor
+
     popular = {}
     for layer, _, _, experts in calibration:
         popular.setdefault(layer, np.zeros(model.spec.layers[layer].ffn.num_experts))
@@ -79,6 +81,10 @@ def modelled_ms(held, predicted: list[list[int]] | None, experts: int, cache_sha
 
 def run(budgets: list[int], cache_share: float, expert_mb: float, flash_gb_s: float, attention_ms: float,
         texts: int) -> dict:
+    import numpy as np
+
+    from npumoe.bench.runtime_measure import demo_texts
+    from npumoe.core.runtime.predictor import recall_at, routing_traces
     from npumoe.models.loader import load
 
     model = load()
@@ -93,7 +99,7 @@ def run(budgets: list[int], cache_share: float, expert_mb: float, flash_gb_s: fl
               "top_k": int(held[0][3].numel()), "model": {**timing, "expert_mb": expert_mb, "flash_gb_s": flash_gb_s},
               "all_resident_ms": attention_ms * len({h[0] for h in held}),
               "no_prefetch_ms": modelled_ms(held, None, **timing), "budgets": {}}
-    for budget in budgets:
+    for budget in track(budgets, "scoring the predictors", "budgets"):
         guesses = predictions(model, calibration, held, budget)
         result["budgets"][budget] = {
             name: {"recall": float(np.mean([recall_at(p, h[3]) for p, h in zip(guesses[name], held)])),
@@ -141,10 +147,8 @@ def bench_prefetch_command(budgets, cache_share, expert_mb, flash_gb_s, attentio
     if not preload or min(preload) < 1:
         raise click.BadParameter(f"{budgets!r} is not a comma-separated list of whole numbers ≥ 1, e.g. 2,4",
                                  param_hint="--preload")
-    console = Console(stderr=as_json)
-    with console.status("tracing calibration and held-out routing"):
-        result = run(preload, cache_share, expert_mb, flash_gb_s, attention_ms, texts)
+    result = run(preload, cache_share, expert_mb, flash_gb_s, attention_ms, texts)
     if as_json:
         click.echo(json.dumps(result, indent=1))
     else:
-        render(result, console)
+        render(result, Console())

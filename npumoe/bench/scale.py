@@ -22,14 +22,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import click
-import torch
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from npumoe.core.base.native import cache_dir
-from npumoe.core.ir.tensorfile import INDEX, SafetensorsWriter
-from npumoe.models.loader import read_config
+from npumoe.core.base.progress import task
 
 OLMOE_1B_7B_0924 = {
     "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "attention_bias": False, "clip_qkv": None,
@@ -74,8 +71,11 @@ def hub_name(canonical: str) -> str:
     raise ValueError(f"no Hub name for {canonical}")
 
 
-def write_random_checkpoint(cfg: dict, out: Path, seed: int = 0, progress: bool = True) -> Path:
+def write_random_checkpoint(cfg: dict, out: Path, seed: int = 0, progress: bool | None = None) -> Path:
     """Random bf16 weights for ``cfg``, sharded with an index as the Hub stores them; reuses ``out`` if complete."""
+    import torch
+
+    from npumoe.core.ir.tensorfile import INDEX, SafetensorsWriter
     from npumoe.core.ir.weights import expected_shapes
     from npumoe.models.registry import adapter_for
 
@@ -86,7 +86,7 @@ def write_random_checkpoint(cfg: dict, out: Path, seed: int = 0, progress: bool 
     gen = torch.Generator().manual_seed(seed)
     pool = (torch.randn(1 << 26, generator=gen) * 0.02).to(torch.bfloat16)  # slices of it, at random offsets
 
-    def tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def tensor(name: str, shape: tuple[int, ...]):
         if len(shape) == 1:
             return torch.ones(shape, dtype=torch.bfloat16)
         n = math.prod(shape)
@@ -100,8 +100,7 @@ def write_random_checkpoint(cfg: dict, out: Path, seed: int = 0, progress: bool 
     total = sum(math.prod(s) * 2 for s in shapes.values())
     shards = max(1, math.ceil(total / SHARD_BYTES))
     weight_map, writer, written, index = {}, None, 0, 0
-    with Progress(transient=True, disable=not progress) as bar:
-        task = bar.add_task(f"writing a random {cfg['model_type']} checkpoint ({total / 1e9:.1f} GB)", total=total)
+    with task(f"writing a random {cfg['model_type']} checkpoint", total / 1e6, "MB", progress) as step:
         for name, shape in shapes.items():
             nbytes = math.prod(shape) * 2
             if writer is None or written + nbytes > SHARD_BYTES:
@@ -113,7 +112,7 @@ def write_random_checkpoint(cfg: dict, out: Path, seed: int = 0, progress: bool 
             writer.add(hub_name(name), tensor(name, shape))
             weight_map[hub_name(name)] = writer.path.name
             written += nbytes
-            bar.advance(task, nbytes)
+            step.advance(nbytes / 1e6)
         writer.finish({"format": "pt"})
     if index != shards:  # the estimate of the shard count is written into every shard's name
         raise RuntimeError(f"wrote {index} shards, named for {shards}")
@@ -160,15 +159,16 @@ class Sampler(threading.Thread):
 def measure(argv: list[str], env: dict | None = None) -> dict:
     """Run ``npumoe *argv`` in a fresh process (with ``env`` as its environment, if given); wall time, peaks,
     bytes written and its stderr's last line."""
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", "from npumoe.cli import main; main()", *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    sampler = Sampler(proc.pid)
-    sampler.start()
-    out, err = proc.communicate()
-    wall = time.perf_counter() - start
-    sampler.done.set()
-    sampler.join()
+    with task(f"npumoe {argv[0]}, measured in its own process"):
+        start = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-c", "from npumoe.cli import main; main()", *argv],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        sampler = Sampler(proc.pid)
+        sampler.start()
+        out, err = proc.communicate()
+        wall = time.perf_counter() - start
+        sampler.done.set()
+        sampler.join()
     if proc.returncode:
         raise click.ClickException(f"npumoe {' '.join(argv)} failed ({proc.returncode}): {err.strip()[-2000:]}")
     last = [line for line in err.strip().splitlines() if line.startswith("[")]
@@ -204,6 +204,8 @@ def mapped_reader(ckpt: Path, nbytes: int = 1 << 30, passes: int = 3) -> Callabl
     (the first ones run slower). What decode reads, pages and all. A scratch buffer misleads both ways: partly
     served from a last-level cache the guest does not see, or slowed by fragmented 4 KB pages (docs/performance.md,
     "Read-bandwidth probe")."""
+    import torch
+
     from npumoe.luts.kernels import kernels
     from npumoe.models.loader import load
 
@@ -305,6 +307,8 @@ def bench_scale_command(model_name, layers, ckpt, steps, as_json):
     console = Console(stderr=as_json)
     cfg = MODELS[model_name]
     if ckpt:  # --layers cuts a given checkpoint (its shards linked, not copied)
+        from npumoe.models.loader import read_config
+
         read_config(Path(ckpt))  # a directory that is no checkpoint is named now, not by the first step's failure
         path = cut(Path(ckpt), layers, CACHE / f"{Path(ckpt).name}-cut-{layers}") if layers else Path(ckpt)
     elif layers:  # ... and writes only that many layers of the named model

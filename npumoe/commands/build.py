@@ -18,12 +18,7 @@ from npumoe.commands.options import (
 )
 from npumoe.commands.plan import read_texts
 from npumoe.core.base.errors import InputError
-from npumoe.core.base.outputs import claim
-from npumoe.core.compiler.artifacts import build
-from npumoe.core.planning.plan import GRAPHS_PER_LAYER, RESIDENCY, Plan
-from npumoe.core.runtime.calibrate import default_calibration_texts
-from npumoe.core.tools.targets import TARGETS, build_targets
-from npumoe.models.loader import load
+from npumoe.core.planning import GRAPHS_PER_LAYER, RESIDENCY
 
 
 @click.command("build")
@@ -73,6 +68,10 @@ def build_command(model_dir, dtype, targets, text_files, heldout_file, chunk, re
                                   graphs_per_layer, out, max_context, options)
     if not (plan_path and target):
         raise InputError("give --targets htp,ane (every target from one calibration), or --plan and --target.")
+    from npumoe.core.compiler.artifacts import build
+    from npumoe.core.planning.plan import Plan
+    from npumoe.models.loader import load
+
     model = load(model_dir, dtype=dtype)
     options = chosen_build_options(target, options)
     manifest = build(model, Plan.load(plan_path), target, out, max_context=max_context,
@@ -90,6 +89,11 @@ def build_command(model_dir, dtype, targets, text_files, heldout_file, chunk, re
 
 def build_every_target(model_dir, dtype, targets, text_files, heldout_file, chunk, residency, graphs_per_layer, out,
                        max_context, options) -> None:
+    from npumoe.core.base.outputs import claim
+    from npumoe.core.runtime.calibrate import default_calibration_texts
+    from npumoe.core.tools.targets import TARGETS, build_targets
+    from npumoe.models.loader import load
+
     names = [t.strip() for t in targets.split(",") if t.strip()]
     per_target = options_per_target(names, options)
     claim(out, TARGETS)

@@ -8,9 +8,6 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from npumoe.core.tools.compare import compare
-from npumoe.core.tools.report import ACCURACY_COLUMNS, COLUMNS, cell
-
 
 @click.command("compare")
 @click.argument("out", type=click.Path())
@@ -29,6 +26,8 @@ def compare_command(out, as_json, html_path):
         from npumoe.core.tools.report import REPORT
 
         claim(html_path, REPORT, "--html")  # before reading anything: an unwritable path fails first
+    from npumoe.core.tools.compare import compare
+
     result = compare(out)
     if as_json:
         click.echo(json.dumps(result, indent=1))
@@ -41,6 +40,8 @@ def compare_command(out, as_json, html_path):
 
 
 def render(result: dict, console: Console) -> None:
+    from npumoe.core.tools.report import ACCURACY_COLUMNS, COLUMNS, cell
+
     rows = result["targets"]
     accuracy, costs = COLUMNS[:ACCURACY_COLUMNS], COLUMNS[ACCURACY_COLUMNS:]  # two tables fit 80 columns
     for columns, title in ((accuracy, f"{result['model']}: every target against the fp32 reference "

@@ -6,16 +6,13 @@ import time
 from pathlib import Path
 
 import click
-import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from npumoe.commands.options import dtype_option, model_option, target_option
 from npumoe.core.base.errors import InputError
 from npumoe.core.base.outputs import claim
-from npumoe.core.planning.profile import LoadRecorder
-from npumoe.core.runtime.engine import DEFAULT_CHUNK, Engine
-from npumoe.models.loader import load
+from npumoe.core.runtime import DEFAULT_CHUNK
 
 DEMO_PROMPT = "def fibonacci(n):\n    "
 
@@ -63,8 +60,12 @@ def generate_command(model_dir, dtype, prompt, ids, max_new_tokens, chunk, max_c
       npumoe generate --prompt "import os" -n 40
       npumoe generate --target htp --artifacts build/htp --trace trace.json
     """
+    import numpy as np
+
     from npumoe.core.planning.plan import Plan
+    from npumoe.core.runtime.engine import Engine
     from npumoe.core.runtime.predictor import RoutingPredictor
+    from npumoe.models.loader import load
 
     profiler = None
     if trace_path:
@@ -105,8 +106,11 @@ def generate_command(model_dir, dtype, prompt, ids, max_new_tokens, chunk, max_c
         click.echo(f"wrote {write_trace(trace_path, eng, profiler)}", err=True)
 
 
-def routing_table(spec, recorder: LoadRecorder) -> Table:
-    """Per MoE layer, every routed token-slot of the run (prefill and decode) per expert."""
+def routing_table(spec, recorder) -> Table:
+    """Per MoE layer, every routed token-slot of the run (prefill and decode) per expert (``recorder``: a
+    :class:`~npumoe.core.planning.profile.LoadRecorder`)."""
+    import numpy as np
+
     table = Table("layer", "token-slots per expert", "max/mean", "hottest")
     for layer in spec.moe_layers:
         total = recorder.matrix(layer).sum(axis=0)
@@ -157,10 +161,15 @@ def demo_command(prompt, max_new_tokens, calibration_texts, out):
          artifacts (QNN's HTP emulator, the MIL interpreter) on held-out text, and print the
          cross-vendor comparison; --out gets the artifacts and report.html.
     """
+    import numpy as np
+
     from npumoe.core.planning.plan import plan
+    from npumoe.core.planning.profile import LoadRecorder
     from npumoe.core.runtime.calibrate import calibrate
+    from npumoe.core.runtime.engine import Engine
     from npumoe.core.tools.targets import TARGETS
     from npumoe.models.demo import corpus
+    from npumoe.models.loader import load
 
     console = Console()
     claim(out, TARGETS)
@@ -183,7 +192,7 @@ def demo_command(prompt, max_new_tokens, calibration_texts, out):
     console.print(routing_table(spec, recorder))
 
     texts = [t[:2048] for t in corpus.calibration_texts(calibration_texts)]
-    profile = calibrate(model, texts, chunk=64, window=512, progress=True)
+    profile = calibrate(model, texts, chunk=64, window=512)
     console.print(plan_table(model, profile))
     console.print("[dim]groups: static expert-group graphs per layer; on NPU: those placed on the NPU; padded %: "
                   "predicted share of NPU expert slots that are padding; overflow %: predicted share of routed "

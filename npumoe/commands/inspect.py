@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 import click
-import torch
 from rich.console import Console
 from rich.table import Table
 
 from npumoe.core.ir.spec import ModelSpec, MoESpec
-from npumoe.core.ir.tensorfile import FLOAT_DTYPES
-from npumoe.core.ir.weights import attention_shapes, expected_shapes, mlp_shapes
-from npumoe.models.checkpoints.directory import open_checkpoint
-from npumoe.models.checkpoints.stored_formats import stored_format
-from npumoe.models.loader import DEMO_DIR, is_gptq, load
+from npumoe.models.demo import DEMO_DIR
 
 
 def _count(shapes: dict) -> int:
@@ -27,6 +22,8 @@ def _count(shapes: dict) -> int:
 
 def parameter_counts(spec: ModelSpec) -> dict[str, int]:
     """Total and per-token active parameters (embeddings counted once)."""
+    from npumoe.core.ir.weights import attention_shapes, expected_shapes, mlp_shapes
+
     total = _count(expected_shapes(spec))
     active = total
     for i, ls in enumerate(spec.layers):
@@ -73,7 +70,7 @@ def _human(n: float, unit: str = "") -> str:
 
 
 FORMAT_NAMES = {"fp8": "block FP8", "mxfp4": "MXFP4"}
-DTYPE_SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+DTYPE_SHORT = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float64": "fp64"}
 
 
 def packed_line(packed, source: str) -> str:
@@ -99,6 +96,10 @@ def inspect_command(model_dir: str, check_values: bool):
 
     MODEL_DIR defaults to the shipped demo model. Example: npumoe inspect ~/models/Qwen3-30B-A3B
     """
+    from npumoe.core.ir.weights import mlp_shapes
+    from npumoe.models.checkpoints.stored_formats import stored_format
+    from npumoe.models.loader import is_gptq, load
+
     model = load(model_dir)
     spec = model.spec
     console = Console()
@@ -114,11 +115,11 @@ def inspect_command(model_dir: str, check_values: bool):
         f"fp32 {_human(counts['total'] * 4, 'B')}, fp16 {_human(counts['total'] * 2, 'B')}, "
         f"on disk {_human(disk, 'B')}"
     )
-    stored = ", ".join(f"{DTYPE_SHORT.get(d, str(d))} {_human(n)}" for d, n in model.weights.stored_dtypes.items())
+    stored = ", ".join(f"{DTYPE_SHORT.get(str(d), str(d))} {_human(n)}" for d, n in model.weights.stored_dtypes.items())
     fmt = stored_format(model.config) if not is_gptq(model.config) else None
     packed = getattr(model.weights, "packed", None)
     widened = f" (as widened from {FORMAT_NAMES[fmt]}, tensor by tensor when used)" if fmt and not packed else ""
-    console.print(f"stored as {stored} parameters{widened}; compute dtype {DTYPE_SHORT[model.weights.dtype]} "
+    console.print(f"stored as {stored} parameters{widened}; compute dtype {DTYPE_SHORT[str(model.weights.dtype)]} "
                   "(matrices; norms and router in fp32)")
     if packed is not None and packed.candidates:
         console.print(packed_line(packed, "a GPTQ export" if is_gptq(model.config) else
@@ -154,18 +155,18 @@ def inspect_command(model_dir: str, check_values: bool):
 def report_non_finite(console: Console, path) -> None:
     """Read the checkpoint tensor by tensor (mapped, so memory stays flat) and name every tensor holding NaN
     or Inf with its counts: a non-finite weight otherwise shows only as blank generated text."""
-    from rich.progress import Progress
+    from npumoe.core.base.progress import task
+    from npumoe.models.checkpoints.directory import open_checkpoint
 
     ckpt = open_checkpoint(path)
     found = []
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("checking values", total=ckpt.nbytes)
+    with task("checking values", total=ckpt.nbytes / 1e6, unit="MB") as step:
         for key, entry in ckpt.entries.items():
             if entry.dtype.is_floating_point:
                 nan, inf = non_finite_counts(ckpt.tensor(key))
                 if nan or inf:
                     found.append(f"  {key}: {nan} NaN, {inf} Inf of {entry.numel}")
-            progress.advance(task, entry.nbytes)
+            step.advance(entry.nbytes / 1e6)
     if found:
         floats = sum(e.dtype.is_floating_point for e in ckpt.entries.values())
         console.print(f"[red]{len(found)} of {floats} floating-point tensors hold NaN or Inf[/red] (stored names):\n"
@@ -174,9 +175,13 @@ def report_non_finite(console: Console, path) -> None:
         console.print(f"values: every floating-point tensor is finite ({_human(ckpt.nbytes, 'B')} read)")
 
 
-def non_finite_counts(tensor: torch.Tensor) -> tuple[int, int]:
+def non_finite_counts(tensor) -> tuple[int, int]:
     """(NaN, Inf) counts, 16 M elements at a time so a large embedding needs no tensor-sized mask; fp8 kinds
     torch cannot test directly are widened piece by piece."""
+    import torch
+
+    from npumoe.core.ir.tensorfile import FLOAT_DTYPES
+
     nan = inf = 0
     for part in tensor.reshape(-1).split(1 << 24):
         part = part if part.dtype in FLOAT_DTYPES else part.float()

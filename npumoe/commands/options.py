@@ -1,13 +1,16 @@
-"""Options several commands share, so each reads and helps the same everywhere."""
+"""Options several commands share, so each reads and helps the same everywhere.
+
+Command modules import only this, click and light modules at the top (heavy ones inside the command), so that
+`npumoe X --help` renders without torch."""
 
 from __future__ import annotations
 
 import click
 
 from npumoe.core.base.errors import InputError
+from npumoe.core.ir import DTYPE_POLICIES
 from npumoe.core.ir.backend import BuildOption, plugin, plugins
-from npumoe.core.ir.weights import DTYPE_POLICIES
-from npumoe.models.loader import DEMO_DIR
+from npumoe.models.demo import DEMO_DIR
 
 
 def model_option(f):

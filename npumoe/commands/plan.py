@@ -11,10 +11,7 @@ from npumoe.core.base.errors import InputError
 from npumoe.core.base.io import existing_file
 from npumoe.core.base.outputs import claim
 from npumoe.core.ir.backend import capabilities
-from npumoe.core.planning.plan import GRAPHS_PER_LAYER, METHODS, OVERFLOW_POLICIES, PLAN, RESIDENCY, plan
-from npumoe.core.planning.profile import PROFILE, RoutingProfile, overlap_at_k
-from npumoe.core.runtime.calibrate import calibrate, default_calibration_texts
-from npumoe.models.loader import load
+from npumoe.core.planning import GRAPHS_PER_LAYER, METHODS, OVERFLOW_POLICIES, RESIDENCY
 
 
 def read_texts(paths: tuple[str, ...]) -> dict[str, str]:
@@ -45,13 +42,17 @@ def calibrate_command(model_dir, dtype, text_files, chunk, out, plot, compare):
       npumoe calibrate --text my_prompts.txt --chunk 256 --out profile.json --plot load.png
       npumoe calibrate --compare code.json prose.json
     """
+    from npumoe.core.planning.profile import PROFILE, RoutingProfile
+    from npumoe.core.runtime.calibrate import calibrate, default_calibration_texts
+    from npumoe.models.loader import load
+
     console = Console()
     if compare:
         return print_overlap(console, RoutingProfile.load(compare[0]), RoutingProfile.load(compare[1]))
     claim_outputs(out, PROFILE, plot)
     model = load(model_dir, dtype=dtype)
     texts = read_texts(text_files) if text_files else default_calibration_texts()
-    profile = calibrate(model, list(texts.values()), chunk=chunk, progress=True, sources=list(texts)[:50])
+    profile = calibrate(model, list(texts.values()), chunk=chunk, sources=list(texts)[:50])
     profile.save(out)
     table = Table("layer", "chunks", "r = max/mean", "hottest experts", "p50 / p99 / max load")
     for i in profile.layers:
@@ -76,7 +77,10 @@ def claim_outputs(out: str, kind, plot: str | None) -> None:
         claim(plot, FIGURE, "--plot")
 
 
-def print_overlap(console: Console, a: RoutingProfile, b: RoutingProfile) -> None:
+def print_overlap(console: Console, a, b) -> None:
+    """Per-layer Overlap@K of two :class:`~npumoe.core.planning.profile.RoutingProfile` s."""
+    from npumoe.core.planning.profile import overlap_at_k
+
     if a.model != b.model:
         raise InputError(f"the two profiles come from different models ({a.model_name} and {b.model_name}).")
     experts = a.num_experts(a.layers[0])
@@ -113,6 +117,10 @@ def plan_command(model_dir, profile_path, target, overflow, residency, method, m
 
     Example: npumoe plan --profile profile.json --target ane --residency npu --out plan.json
     """
+    from npumoe.core.planning.plan import PLAN, plan
+    from npumoe.core.planning.profile import RoutingProfile
+    from npumoe.models.loader import load
+
     console = Console()
     claim_outputs(out, PLAN, plot)
     model = load(model_dir)

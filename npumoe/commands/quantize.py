@@ -7,9 +7,8 @@ import click
 from npumoe.commands.options import model_option
 from npumoe.core.base.errors import InputError
 from npumoe.core.base.io import existing_file
-from npumoe.luts.spec import BITS
-from npumoe.models.checkpoints.lut import LINEARS
-from npumoe.models.checkpoints.quantize import HEAD_BITS, quantize_checkpoint
+from npumoe.luts import BITS
+from npumoe.models.checkpoints import HEAD_BITS, LINEARS
 
 HELDOUT_TOKENS = 2048  # enough for a perplexity that moves with the format, short enough for a 30 B model on a CPU
 HELDOUT_WINDOW = 256  # inside every model's trained context (the demo's is 256), as llama.cpp's perplexity windows
@@ -46,10 +45,12 @@ def quantize_command(model_dir, bits, group, symmetric, linears, head_bits, held
       npumoe quantize --model DIR --bits 2 --heldout text.txt --out DIR4   # and what 2 bits cost
       npumoe generate --model DIR2
     """
+    from npumoe.models.checkpoints.quantize import quantize_checkpoint
+
     if head_bits is not None and linears != "all":
         raise InputError("--head-bits applies with --linears all (the LM head is packed only then); add --linears all.")
     source, heldout = heldout_tokens(model_dir, heldout_file) if heldout_file else (None, None)  # named before work
-    info = quantize_checkpoint(model_dir, out_dir, bits, group, symmetric, progress=True, linears=linears,
+    info = quantize_checkpoint(model_dir, out_dir, bits, group, symmetric, linears=linears,
                                head_bits=head_bits)
     kind = "symmetric" if info["symmetric"] else "asymmetric"
     click.echo(f"wrote {out_dir}: {info['weights']} at {bits} bits, group {group}, {kind}")

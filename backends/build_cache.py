@@ -176,14 +176,16 @@ def _lower_forked(index: int) -> None:
     BuildCache().fill(_FORKED[index].key, _FORKED[index].lower)
 
 
-def lower_units(units: list[BuildUnit], out_dir: Path, step: Task, jobs: int = 1) -> dict[str, dict]:
+def lower_units(units: list[BuildUnit], out_dir: Path, step: Task, jobs=1) -> dict[str, dict]:
     """Every unit's entries, its files linked into ``out_dir``, each unit's graphs counted on ``step``. With
     ``jobs`` > 1 the units not yet cached are lowered first by that many forked processes (each fills the cache;
-    a fork shares the mapped weights), then all are linked in order; a worker's error stops the build with
-    that error."""
+    a fork shares the mapped weights), or, ``jobs`` a cluster (:class:`npumoe.backends.ray_cluster.RayCluster`),
+    on its nodes; then all are linked in order; a worker's error stops the build with that error."""
     cache, fresh = BuildCache(), set()
-    todo = [u for u in units if not cache.has(u.key)] if jobs > 1 else []
-    if todo:
+    todo = [u for u in units if not cache.has(u.key)] if jobs != 1 else []
+    if todo and not isinstance(jobs, int):
+        fresh = jobs.fill(todo, cache.root, step)
+    elif todo:
         _FORKED[:] = todo
         try:
             with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("fork"),

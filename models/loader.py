@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,4 +115,12 @@ def load(path: str | Path | None = None, dtype: str = "auto") -> Model:
     if not is_gptq(cfg):
         stored_format(cfg)  # refuses a quantisation npumoe cannot read, before any work
     weights = _read_weights(path, cfg, adapter, spec, dtype)
+    weights.origin = (reopen_weights, (str(path.resolve()), str(weights.dtype).removeprefix("torch.")))
     return Model(spec=spec, weights=weights, config=cfg, path=path, tokenizer=load_tokenizer(path))
+
+
+@functools.lru_cache(maxsize=2)
+def reopen_weights(path: str, dtype: str) -> Weights:
+    """A checkpoint's weights mapped in this process, in the compute dtype another process resolved: how
+    :class:`Weights` unpickle (a worker lowering many units maps its checkpoint once)."""
+    return load(path, dtype=dtype).weights

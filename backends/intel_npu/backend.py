@@ -10,6 +10,7 @@ which the manifest and every executor say.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -70,9 +71,11 @@ class IntelNpuBackend(BackendBase):
             converted = ov.convert_model(str(onnx_path))
         finally:
             onnx_path.unlink()
+        name_nodes_by_position(converted)
         ov.save_model(converted, Path(out_dir) / rel, compress_to_fp16=True)
+        names = [i.get_any_name() for i in converted.inputs]  # not "inputs": the manifest's, shapes by name
         return Lowered(FORMAT, (str(rel), str(rel.with_suffix(".bin"))),
-                       {"xml": str(rel), "device": self.device, "inputs": [i.get_any_name() for i in converted.inputs]})
+                       {"xml": str(rel), "device": self.device, "input_names": names})
 
     def load(self, artifact: dict, out_dir: Path, graph, weights):
         if artifact.format != FORMAT:
@@ -84,11 +87,24 @@ class IntelNpuBackend(BackendBase):
         # runs keep f32 and differ from the reference only by the fp16 weights
         config = {"INFERENCE_PRECISION_HINT": "f32"} if self.device == "CPU" else {}
         compiled = self._core.compile_model(str(Path(out_dir) / artifact.info["xml"]), self.device, config)
-        return OpenVinoExecutor(compiled, graph, artifact.info["inputs"], self.device)
+        return OpenVinoExecutor(compiled, graph, artifact.info["input_names"], self.device)
 
     def describe(self) -> dict:
         return {"name": self.name, "device": self.device, "openvino": openvino().__version__,
                 "weights": "fp16 (compress_to_fp16)", "mask_floor": MASK_FLOOR}
+
+
+def name_nodes_by_position(model) -> None:
+    """Rename the nodes OpenVINO named from its process-wide counter (``Transpose_12596``) after their position:
+    otherwise a graph's IR depends on what the process converted before it, and a unit lowered by another
+    worker (``--jobs``, ``--cluster``) would differ from a serial build's in every such name."""
+    for position, op in enumerate(model.get_ordered_ops()):
+        auto = AUTO_NAME.fullmatch(op.get_friendly_name())
+        if auto:
+            op.set_friendly_name(f"{auto[1]}_n{position}")
+
+
+AUTO_NAME = re.compile(r"([A-Z][A-Za-z0-9]*)_\d+")  # OpenVINO's own names; ONNX's hold a '/'
 
 
 class OpenVinoExecutor:

@@ -211,6 +211,15 @@ class Weights(Mapping):
         self.dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype, self._sources, spec,
                                                                                 fast_dtypes)
         self._converted: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+        self.origin: tuple[Callable, tuple] | None = None  # (function, args) reopening them elsewhere: the loader's
+
+    def __reduce__(self):
+        """Weights reach another process (a cluster's worker) as where to map them from, never as their bytes:
+        a real model's are tens of GB, and every worker can map the same checkpoint."""
+        if self.origin is None:
+            raise InputError("these weights were made in memory, so no other process can reopen them; save them as "
+                             "a checkpoint directory and load that (npumoe.load).")
+        return self.origin
 
     def __getitem__(self, name: str) -> torch.Tensor:
         src = self.source(name)

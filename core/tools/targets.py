@@ -46,10 +46,11 @@ def check_targets(targets: list[str], options: dict[str, dict]) -> None:
 def build_targets(model, targets: list[str], texts: dict[str, str], heldout_ids, out_dir, *, chunk: int,
                   max_context: int = 512, residency: str = "auto", options: dict[str, dict] | None = None,
                   progress: bool | None = None, report=lambda message: None, profile=None,
-                  graphs_per_layer: int = GRAPHS_PER_LAYER) -> dict:
+                  graphs_per_layer: int = GRAPHS_PER_LAYER, jobs=1) -> dict:
     """Build ``targets`` from one calibration of ``texts`` (or the given ``profile``); validate each on
     ``heldout_ids``; return the top-level manifest. ``report`` hears one line per step (the CLI prints them);
-    ``progress`` shows each step's own (see :mod:`npumoe.core.base.progress`)."""
+    ``progress`` shows each step's own (see :mod:`npumoe.core.base.progress`); ``jobs`` is
+    :func:`~npumoe.core.compiler.artifacts.build`'s."""
     options = options or {}
     out_dir = claim(out_dir, TARGETS)
     check_targets(targets, options)
@@ -63,7 +64,7 @@ def build_targets(model, targets: list[str], texts: dict[str, str], heldout_ids,
             report(f"{target}: planning, building")
             target_plan = plan(model, profile, target=target, residency=residency, graphs_per_layer=graphs_per_layer)
             build(model, target_plan, target, staging / target, max_context=max_context, progress=progress,
-                  **options.get(target, {}))
+                  jobs=jobs, **options.get(target, {}))
             report(f"{target}: validating on {len(heldout_ids)} held-out tokens")
             checked = validate(model, target, staging / target, heldout_ids, progress=progress)
             work = workload(model.spec, target_plan, checked.npu_launches_per_chunk)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import click
@@ -50,9 +53,16 @@ from npumoe.core.planning import GRAPHS_PER_LAYER, RESIDENCY
 @click.option("--jobs", default=1, show_default=True, type=click.IntRange(1),
               help="Compile this many units (graphs; ANE: packages) at once, each in its own process: faster on a "
                    "machine with cores and memory to spare (each holds one unit's weights while it compiles).")
+@click.option("--cluster", default=None, metavar="ADDRESS",
+              help="Compile the units on a Ray cluster instead: ray://HOST:10001 (from anywhere), HOST:6379 (on one "
+                   "of its nodes) or auto (RAY_ADDRESS). Every node needs this npumoe, the toolchains, and the "
+                   "model and --cache at the same paths (pip install 'npumoe[cluster]').")
+@click.option("--cache", "cache_dir", default=None, type=click.Path(),
+              help="Build cache directory [default: $NPUMOE_BUILD_CACHE, else ~/.cache/npumoe/builds]; with "
+                   "--cluster, one on a file system every node mounts at this path (NFS, say).")
 @build_options
 def build_command(model_dir, dtype, targets, text_files, heldout_file, chunk, residency, graphs_per_layer, plan_path,
-                  target, out, max_context, layers, jobs, **options):
+                  target, out, max_context, layers, jobs, cluster, cache_dir, **options):
     """Compile a model's NPU graphs: every target from one spec (--targets), or one planned target.
 
     \b
@@ -61,13 +71,20 @@ def build_command(model_dir, dtype, targets, text_files, heldout_file, chunk, re
       npumoe generate --artifacts build --target ane                    # run one of them
       npumoe build --plan plan.json --target htp --precision w8a16 --out build/htp
     """
-    if targets is not None:
-        if plan_path or target or layers:
-            raise InputError("--targets calibrates and plans for you: give it without --plan, --target or --layers.")
-        return build_every_target(model_dir, dtype, targets, text_files, heldout_file, chunk, residency,
-                                  graphs_per_layer, out, max_context, options)
-    if not (plan_path and target):
+    if targets is not None and (plan_path or target or layers):
+        raise InputError("--targets calibrates and plans for you: give it without --plan, --target or --layers.")
+    if targets is None and not (plan_path and target):
         raise InputError("give --targets htp,ane (every target from one calibration), or --plan and --target.")
+    if cluster and jobs != 1:
+        raise InputError("--jobs sets the processes on this machine; with --cluster each node's CPUs do: drop --jobs.")
+    with build_cache_at(cache_dir), lowering(jobs, cluster) as where:
+        if targets is not None:
+            return build_every_target(model_dir, dtype, targets, text_files, heldout_file, chunk, residency,
+                                      graphs_per_layer, out, max_context, options, where)
+        build_one_target(model_dir, dtype, plan_path, target, out, max_context, layers, where, options)
+
+
+def build_one_target(model_dir, dtype, plan_path, target, out, max_context, layers, jobs, options) -> None:
     from npumoe.core.compiler.artifacts import build
     from npumoe.core.planning.plan import Plan
     from npumoe.models.loader import load
@@ -85,10 +102,51 @@ def build_command(model_dir, dtype, targets, text_files, heldout_file, chunk, re
     total = sum((Path(out) / rel).stat().st_size for rel in manifest["files"])  # graphs may share a package
     click.echo(f"wrote {out}: {len(manifest['graphs'])} graphs ({cached} from the build cache), "
                f"{len(manifest['files'])} files, {total / 1e6:.1f} MB, manifest.json")
+    if not isinstance(jobs, int):
+        click.echo(f"{jobs.address}: {sum(jobs.nodes_used.values())} units lowered on {len(jobs.nodes_used)} nodes")
+
+
+@contextmanager
+def build_cache_at(directory: str | None):
+    """``NPUMOE_BUILD_CACHE`` (what every build reads) set to ``directory`` for the duration, once it proved
+    writable; nothing when it is None."""
+    if directory is None:
+        yield
+        return
+    if "://" in directory:
+        raise InputError(f"--cache takes a directory, not the URL {directory}: the cache renames and links files, "
+                         "which object stores do not; give a directory on a file system every node mounts (NFS).")
+    try:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=directory).close()
+    except OSError as err:
+        raise InputError(f"--cache {directory} is not a directory this process can write ({err.strerror or err}); "
+                         "give one it can (with --cluster, one every node mounts).") from None
+    before = os.environ.get("NPUMOE_BUILD_CACHE")
+    os.environ["NPUMOE_BUILD_CACHE"] = str(Path(directory).resolve())
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["NPUMOE_BUILD_CACHE"]
+        else:
+            os.environ["NPUMOE_BUILD_CACHE"] = before
+
+
+@contextmanager
+def lowering(jobs: int, cluster: str | None):
+    """Where units are lowered: ``jobs`` processes here, or the Ray cluster at ``cluster``, connected meanwhile."""
+    if cluster is None:
+        yield jobs
+        return
+    from npumoe.backends.ray_cluster import connected
+
+    with connected(cluster) as connection:
+        yield connection
 
 
 def build_every_target(model_dir, dtype, targets, text_files, heldout_file, chunk, residency, graphs_per_layer, out,
-                       max_context, options) -> None:
+                       max_context, options, jobs) -> None:
     from npumoe.core.base.outputs import claim
     from npumoe.core.runtime.calibrate import default_calibration_texts
     from npumoe.core.tools.targets import TARGETS, build_targets
@@ -105,7 +163,7 @@ def build_every_target(model_dir, dtype, targets, text_files, heldout_file, chun
     console = Console()
     manifest = build_targets(model, names, texts, model.tokenizer.encode(heldout), out, chunk=chunk,
                              max_context=max_context, residency=residency, options=per_target,
-                             graphs_per_layer=graphs_per_layer,
+                             graphs_per_layer=graphs_per_layer, jobs=jobs,
                              report=lambda line: console.print(f"[dim]{line}[/dim]"))
     table = Table("target", "cosine", "top-1 %", "greedy", "ppl (ref)", "padded %", "spilled %", "NPU launches/chunk",
                   title=f"{model.name}: every target against the fp32 reference, {manifest['heldout_tokens']} "

@@ -154,14 +154,14 @@ def lower_units(units: list[BuildUnit], out_dir: Path, step: Task, jobs: int = 1
     ``jobs`` > 1 the units not yet cached are lowered first by that many forked processes (each fills the cache;
     a fork shares the mapped weights), then all are linked in order; a worker's error stops the build with
     that error."""
-    cache, fresh = BuildCache(), set()
+    cache, fresh, title = BuildCache(), set(), step.description
     todo = [u for u in units if not cache.has(u.key)] if jobs > 1 else []
     if todo:
         _FORKED[:] = todo
         try:
             with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("fork"),
                                      initializer=_worker_start) as pool:
-                step.describe(f"{step.description}: {len(todo)} units on {min(jobs, len(todo))} processes")
+                step.describe(f"{title}: {len(todo)} units on {min(jobs, len(todo))} processes")
                 running = {pool.submit(_lower_forked, i): u for i, u in enumerate(todo)}
                 try:
                     for done in as_completed(running):
@@ -177,7 +177,7 @@ def lower_units(units: list[BuildUnit], out_dir: Path, step: Task, jobs: int = 1
                              "finished so far are cached).") from err
         finally:
             _FORKED.clear()
-    entries, title = {}, step.description
+    entries = {}
     for u in units:
         if u.key not in fresh:
             step.describe(f"{title}: {u.label}")

@@ -181,7 +181,7 @@ def lower_units(units: list[BuildUnit], out_dir: Path, step: Task, jobs=1) -> di
     ``jobs`` > 1 the units not yet cached are lowered first by that many forked processes (each fills the cache;
     a fork shares the mapped weights), or, ``jobs`` a cluster (:class:`npumoe.backends.ray_cluster.RayCluster`),
     on its nodes; then all are linked in order; a worker's error stops the build with that error."""
-    cache, fresh = BuildCache(), set()
+    cache, fresh, title = BuildCache(), set(), step.description
     todo = [u for u in units if not cache.has(u.key)] if jobs != 1 else []
     if todo and not isinstance(jobs, int):
         fresh = jobs.fill(todo, cache.root, step)
@@ -190,7 +190,7 @@ def lower_units(units: list[BuildUnit], out_dir: Path, step: Task, jobs=1) -> di
         try:
             with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("fork"),
                                      initializer=_worker_start) as pool:
-                step.describe(f"{step.description}: {len(todo)} units on {min(jobs, len(todo))} processes")
+                step.describe(f"{title}: {len(todo)} units on {min(jobs, len(todo))} processes")
                 running = {pool.submit(_lower_forked, i): u for i, u in enumerate(todo)}
                 try:
                     for done in as_completed(running):
@@ -206,7 +206,7 @@ def lower_units(units: list[BuildUnit], out_dir: Path, step: Task, jobs=1) -> di
                              "finished so far are cached).") from err
         finally:
             _FORKED.clear()
-    entries, title = {}, step.description
+    entries = {}
     for u in units:
         if u.key not in fresh:
             step.describe(f"{title}: {u.label}")

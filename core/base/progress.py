@@ -27,7 +27,7 @@ T = TypeVar("T")
 _by_default = False
 _forked = False  # set in a forked worker, which shows nothing
 _lock = threading.RLock()
-_open: list[Task] = []  # every open, shown step; the innermost last
+_open: list[Task] = []  # every open step that is to be shown; the innermost last
 _display = None  # the shared live display while a step is on a terminal
 _ticker: _Ticker | None = None
 

@@ -1,4 +1,4 @@
-"""The Intel NPU backend (OpenVINO), written by following PORTING.md; conformance covers its numbers
+"""The Intel NPU backend (OpenVINO), written by following docs/porting.md; conformance covers its numbers
 (tests/test_conformance.py). Here: what it says about where it runs, and its bad input."""
 
 import pytest

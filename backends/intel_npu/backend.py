@@ -2,7 +2,7 @@
 OpenVINO IR (``.xml`` + ``.bin``, weights compressed to fp16, the NPU's compute precision) → a
 compiled model per graph, static shapes, the KV cache passed in as inputs like the HTP's.
 
-Written by following PORTING.md: a registry record (:mod:`.caps`), ``lower`` and ``load``; build, the
+Written by following docs/porting.md: a registry record (:mod:`.caps`), ``lower`` and ``load``; build, the
 build cache and ``--jobs`` come from :class:`~npumoe.backends.base.BackendBase`. OpenVINO's ``NPU``
 device needs the hardware and its driver; without one the same IR runs on OpenVINO's ``CPU`` device,
 which the manifest and every executor say.

@@ -243,7 +243,7 @@ def _registry() -> tuple[dict[str, BackendPlugin], dict[str, str]]:
             broken[ep.name] = f"its plugin {ep.value} failed to import ({err})"
             continue
         if not isinstance(record, BackendPlugin) or record.name != ep.name:
-            broken[ep.name] = f"entry point {ep.value} is not a BackendPlugin named {ep.name!r} (see PORTING.md)"
+            broken[ep.name] = f"entry point {ep.value} is not a BackendPlugin named {ep.name!r} (see docs/porting.md)"
         elif record.api_version != API_VERSION:
             broken[ep.name] = (f"it was written for npumoe's backend API {record.api_version}, this npumoe has "
                                f"{API_VERSION}; upgrade one of them")

@@ -64,8 +64,9 @@ def cluster():
     server failed to start its per-client server in 3 of 5 runs of this file (none of 6 runs outside pytest)."""
     temp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths must fit in 107 bytes
     port = free_port()
-    nodes = [start_node(["--head", "--port", str(port), "--ray-client-server-port", str(free_port()), "--include-dashboard",
-                         "false", "--dashboard-port", str(free_port()), "--temp-dir", str(temp)], temp / "head.log")]
+    nodes = [start_node(["--head", "--port", str(port), "--ray-client-server-port", str(free_port()),
+                         "--include-dashboard", "false", "--dashboard-port", str(free_port()), "--temp-dir", str(temp)],
+                        temp / "head.log")]
     try:
         nodes.append(start_node(["--address", f"127.0.0.1:{port}"], temp / "worker.log"))
         ray.init(address=f"127.0.0.1:{port}", logging_level="ERROR", log_to_driver=False)
@@ -108,7 +109,7 @@ def lowered_here(monkeypatch):
     from npumoe.backends.intel_npu.backend import IntelNpuBackend
 
     names, lower = [], IntelNpuBackend.lower
-    monkeypatch.setattr(IntelNpuBackend, "lower", lambda self, g, w, out: names.append(g.name) or lower(self, g, w, out))
+    monkeypatch.setattr(IntelNpuBackend, "lower", lambda self, g, w, o: names.append(g.name) or lower(self, g, w, o))
     return names
 
 

@@ -225,3 +225,19 @@ def test_a_cache_that_cannot_be_written_is_one_line(plan_args, capsys, tmp_path)
     assert "not the URL s3://bucket/cache" in cli_error(capsys, *plan_args, "--cache", "s3://bucket/cache")
     assert "drop --jobs" in cli_error(capsys, *plan_args, "--cluster", "auto", "--jobs", "2")
     assert not (tmp_path / "out").exists()
+
+
+def test_weights_travel_as_where_to_map_them_not_as_their_bytes():
+    import pickle
+
+    from npumoe.core.base.errors import InputError
+    from npumoe.core.ir.weights import Weights
+
+    model = npumoe.load()
+    sent = pickle.dumps(model.weights)
+    assert len(sent) < 1000 < sum(model.weights.stored_dtypes.values())  # a path and a dtype, not 3.3 M weights
+    names, received = list(model.weights), pickle.loads(sent)
+    assert received.digest(names) == model.weights.digest(names) and received.dtype == model.weights.dtype
+    in_memory = Weights({n: model.weights[n] for n in model.weights}, model.spec)
+    with pytest.raises(InputError, match="made in memory"):
+        pickle.dumps(in_memory)

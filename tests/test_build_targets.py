@@ -82,6 +82,21 @@ def test_compare_json_gives_every_target_its_metrics_and_estimates(built, capsys
     assert {c["device"] for c in result["cost_model_check"]} <= {d.name for _, d in devices()}
 
 
+def test_compare_says_what_each_device_can_hold_of_each_build(built, capsys):
+    from npumoe.core.planning.costmodel import devices
+
+    main(["compare", str(built), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    for target, row in result["targets"].items():
+        assert row["footprint"]["precision"] == "fp16" and row["footprint"]["max_context"] == 256
+        assert [v["device"] for v in row["fits"]] == [d.name for _, d in devices(target)]
+        assert all(v["fits"] for v in row["fits"])  # the demo: under 1 GB anywhere
+    main(["compare", str(built)])
+    lines = capsys.readouterr().out.splitlines()
+    for _, device in devices():
+        assert any(line.strip().startswith(f"{device.name}: ") and line.endswith("✓") for line in lines)
+
+
 def test_compare_html_renders_in_chromium_with_its_numbers(built, tmp_path, capsys):
     import shutil
     import subprocess
@@ -129,7 +144,8 @@ def test_cost_model_records_cite_every_number():
     from npumoe.core.planning.costmodel import Workload, devices, estimate
 
     for _, device in devices():
-        assert {k for k, _ in device.sources} == {"npu_tops", "dram_gb_s", "launch_us"}
+        assert {k for k, _ in device.sources} == {"npu_tops", "dram_gb_s", "launch_us", "ram_gb", "app_share",
+                                                  "max_package_gb", "graph_overhead_mb"}
         assert all(source.strip() for _, source in device.sources)
     for record in plugins().values():  # each figure checks a device of its own backend
         assert all(p.source and p.device in {d.name for d in record.devices} for p in record.published)

@@ -64,8 +64,9 @@ def cluster():
     server failed to start its per-client server in 3 of 5 runs of this file (none of 6 runs outside pytest)."""
     temp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths must fit in 107 bytes
     port = free_port()
-    nodes = [start_node(["--head", "--port", str(port), "--ray-client-server-port", str(free_port()), "--include-dashboard",
-                         "false", "--dashboard-port", str(free_port()), "--temp-dir", str(temp)], temp / "head.log")]
+    nodes = [start_node(["--head", "--port", str(port), "--ray-client-server-port", str(free_port()),
+                         "--include-dashboard", "false", "--dashboard-port", str(free_port()), "--temp-dir", str(temp)],
+                        temp / "head.log")]
     try:
         nodes.append(start_node(["--address", f"127.0.0.1:{port}"], temp / "worker.log"))
         ray.init(address=f"127.0.0.1:{port}", logging_level="ERROR", log_to_driver=False)
@@ -108,7 +109,7 @@ def lowered_here(monkeypatch):
     from npumoe.backends.intel_npu.backend import IntelNpuBackend
 
     names, lower = [], IntelNpuBackend.lower
-    monkeypatch.setattr(IntelNpuBackend, "lower", lambda self, g, w, out: names.append(g.name) or lower(self, g, w, out))
+    monkeypatch.setattr(IntelNpuBackend, "lower", lambda self, g, w, o: names.append(g.name) or lower(self, g, w, o))
     return names
 
 
@@ -224,3 +225,19 @@ def test_a_cache_that_cannot_be_written_is_one_line(plan_args, capsys, tmp_path)
     assert "not the URL s3://bucket/cache" in cli_error(capsys, *plan_args, "--cache", "s3://bucket/cache")
     assert "drop --jobs" in cli_error(capsys, *plan_args, "--cluster", "auto", "--jobs", "2")
     assert not (tmp_path / "out").exists()
+
+
+def test_weights_travel_as_where_to_map_them_not_as_their_bytes():
+    import pickle
+
+    from npumoe.core.base.errors import InputError
+    from npumoe.core.ir.weights import Weights
+
+    model = npumoe.load()
+    sent = pickle.dumps(model.weights)
+    assert len(sent) < 1000 < sum(model.weights.stored_dtypes.values())  # a path and a dtype, not 3.3 M weights
+    names, received = list(model.weights), pickle.loads(sent)
+    assert received.digest(names) == model.weights.digest(names) and received.dtype == model.weights.dtype
+    in_memory = Weights({n: model.weights[n] for n in model.weights}, model.spec)
+    with pytest.raises(InputError, match="made in memory"):
+        pickle.dumps(in_memory)

@@ -31,27 +31,48 @@ ANE_CAPS = Capabilities(
     ),
 )
 
+PACKAGE_SOURCES = (
+    ("launch_us", UNPUBLISHED_LAUNCH),
+    ("max_package_gb", "ANEMLL docs/convert.md: 'ANE models on iOS are limited to 1GB file size; macOS supports up "
+                       "to ~2GB' (npumoe.backends.apple_ane.rules, package-bytes)"),
+    ("graph_overhead_mb", "estimate, unpublished: npumoe's allowance for each function's compiled ANE program and "
+                          "buffers beyond its weights"),
+)
+MAC_SHARE = "estimate: macOS sets no per-app limit; npumoe leaves a quarter of RAM to the OS and the user's other apps"
+IPHONE_SHARE = ("estimate: Apple publishes no per-app limit; on an 8 GB iPad a developer measured 75 % of RAM "
+                "available to one app through iPadOS 26.3 and 37.5 % from 26.4 (developer.apple.com/forums/thread/"
+                "826325); npumoe takes half")
+
+
+def apple(name: str, platform: str, npu_tops: float, dram_gb_s: float, ram_gb: float, sources: tuple) -> Device:
+    """An Apple chip: its own figures, with what one app and one Core ML package may hold on its platform."""
+    share = (0.5, IPHONE_SHARE) if platform == "ios" else (0.75, MAC_SHARE)
+    return Device(name, npu_tops, dram_gb_s, 200.0, (*sources, *PACKAGE_SOURCES, ("app_share", share[1])),
+                  ram_gb=ram_gb, app_share=share[0], max_package_gb=rules.MAX_PACKAGE_BYTES[platform] / 1e9,
+                  graph_overhead_mb=1.0)
+
+
 DEVICES = (
-    Device("Apple M2", 15.8, 100.0, 200.0, (
+    apple("Apple M2", "macos", 15.8, 100.0, 8.0, (
         ("npu_tops", "Apple newsroom, 'Apple unveils M2' (2022-06-06): Neural Engine 15.8 trillion ops/s"),
         ("dram_gb_s", "Apple newsroom, 'Apple unveils M2' (2022-06-06): 100 GB/s unified memory bandwidth"),
-        ("launch_us", UNPUBLISHED_LAUNCH))),
-    Device("Apple M4", 38.0, 120.0, 200.0, (
+        ("ram_gb", "MacBook Air (M2, 2022) tech specs, apple.com: 8 GB unified memory in the base model"))),
+    apple("Apple M4", "macos", 38.0, 120.0, 16.0, (
         ("npu_tops", "Apple newsroom, 'Apple introduces M4 chip' (2024-05-07): 38 trillion ops/s"),
         ("dram_gb_s", "Apple newsroom, 'Apple introduces M4 chip' (2024-05-07): 120 GB/s"),
-        ("launch_us", UNPUBLISHED_LAUNCH))),
-    Device("Apple M4 Max", 38.0, 546.0, 200.0, (
+        ("ram_gb", "Mac mini (M4, 2024) tech specs, apple.com: 16 GB unified memory in the base model"))),
+    apple("Apple M4 Max", "macos", 38.0, 546.0, 36.0, (
         ("npu_tops", "Apple newsroom, MacBook Pro with M4 family (2024-10-30): the M4 family's 38 TOPS Neural Engine"),
         ("dram_gb_s", "Apple newsroom, MacBook Pro with M4 family (2024-10-30): M4 Max 546 GB/s"),
-        ("launch_us", UNPUBLISHED_LAUNCH))),
-    Device("Apple A17 Pro", 35.0, 51.2, 200.0, (
+        ("ram_gb", "MacBook Pro (M4 Max, 2024) tech specs, apple.com: 36 GB unified memory in the base model"))),
+    apple("Apple A17 Pro", "ios", 35.0, 51.2, 8.0, (
         ("npu_tops", "Apple newsroom, iPhone 15 Pro (2023-09-12): Neural Engine up to 35 trillion ops/s"),
         ("dram_gb_s", "third-party: LPDDR5-6400 x 64 bit (teardown reports); Apple does not publish it"),
-        ("launch_us", UNPUBLISHED_LAUNCH))),
-    Device("Apple A18", 35.0, 60.0, 200.0, (
+        ("ram_gb", "third-party: 8 GB in the iPhone 15 Pro (teardown reports); Apple does not publish it"))),
+    apple("Apple A18", "ios", 35.0, 60.0, 8.0, (
         ("npu_tops", "Apple newsroom, iPhone 16 (2024-09-09): 16-core Neural Engine, 35 trillion ops/s class"),
         ("dram_gb_s", "third-party: LPDDR5X-7500 x 64 bit (teardown reports); Apple does not publish it"),
-        ("launch_us", UNPUBLISHED_LAUNCH))),
+        ("ram_gb", "third-party: 8 GB in the iPhone 16 (teardown reports); Apple does not publish it"))),
 )
 
 PUBLISHED = (
@@ -65,7 +86,8 @@ PLUGIN = BackendPlugin(
     summary="Apple Neural Engine through Core ML (or ExecuTorch); runs here in npumoe's MIL interpreter",
     # fp16 between ops: npumoe conformance measured at most 2.1e-3 relative error on the demo's graphs
     conformance=Conformance(min_cosine=0.9999, max_relative_error=5e-3),
-    devices=DEVICES, published=PUBLISHED,
+    devices=DEVICES, published=PUBLISHED, weight_bits="npumoe.backends.apple_ane.compress:weight_bits",
+    shares_weights=True,  # a package's functions (a layer's prefill and decode graphs) store their weights once
     commands={"lint": "npumoe.backends.apple_ane.lint:lint_command"},
     command_help={"lint": "Check Core ML packages against the ANE rule table."},
     options=(

@@ -63,6 +63,11 @@ def precision_for(kind: str, precision: str) -> str:
     return precision if kind in COMPRESSED_KINDS else "fp16"
 
 
+def weight_bits(kind: str, precision: str) -> float:
+    """Bits one stored weight of a graph of ``kind`` takes at ``precision`` (the cost model's memory budget)."""
+    return scheme(precision_for(kind, precision)).bits
+
+
 def scheme(precision: str) -> Scheme:
     if precision not in SCHEMES:
         raise InputError(f"precision {precision!r} is not one of {', '.join(SCHEMES)} for the ANE.")

@@ -25,18 +25,38 @@ HTP_CAPS = Capabilities(
     ),
 )
 
+SHARED_SOURCES = (  # what Android lets one app hold and what a QNN context may, on every Snapdragon below
+    ("launch_us", UNPUBLISHED_LAUNCH),
+    ("app_share", "estimate: Android publishes no per-app limit on native memory; 60 % of RAM is what the Off Grid "
+                  "on-device LLM app budgets for a model (its docs, 'memory management', "
+                  "mintlify.com/alichherawalla/off-grid-mobile-ai)"),
+    ("max_package_gb", "ONNX Runtime PR #20930 (2024): 'because of QNN PD memory limitation, large model (>3.5GB) has "
+                       "to be split' into several context binaries; Qualcomm publishes no figure"),
+    ("graph_overhead_mb", "estimate: unpublished; the demo's context binaries hold 94 KB each beyond their weights "
+                          "(measured: 15.2 MB for 13.5 MB of fp16 weights in 18), npumoe allows 1 MB for what QNN "
+                          "holds for a loaded context"),
+)
+
+
+def snapdragon(name: str, npu_tops: float, dram_gb_s: float, ram_gb: float, sources: tuple) -> Device:
+    """A phone's Snapdragon: its own figures, with what Android and QNN allow on every one of them."""
+    return Device(name, npu_tops, dram_gb_s, 300.0, (*sources, *SHARED_SOURCES), ram_gb=ram_gb, app_share=0.6,
+                  max_package_gb=3.5, graph_overhead_mb=1.0)
+
+
 DEVICES = (
-    Device("Snapdragon 8 Gen 3", 45.0, 59.0, 300.0, (
+    snapdragon("Snapdragon 8 Gen 3", 45.0, 59.0, 8.0, (
         ("npu_tops", "third-party listing, runlocalai.co/hardware/snapdragon-8-gen-3 (Qualcomm publishes only "
                      "'98% faster than 8 Gen 2')"),
         ("dram_gb_s", "T-MAN (arXiv 2025), Table 2: NPU DMA bandwidth measured on a OnePlus 12; LPDDR5X-4800 "
                       "peaks at 76.8 GB/s"),
-        ("launch_us", UNPUBLISHED_LAUNCH))),
-    Device("Snapdragon 8 Elite", 65.0, 84.8, 300.0, (
+        ("ram_gb", "Samsung Galaxy S24 (Snapdragon 8 Gen 3 for Galaxy): 8 GB, samsung.com specifications; the "
+                   "OnePlus 12 above has 12 or 16 GB"))),
+    snapdragon("Snapdragon 8 Elite", 65.0, 84.8, 12.0, (
         ("npu_tops", "estimate: 8 Gen 3's figure x 1.45 (Qualcomm: Hexagon NPU '45% faster', Snapdragon 8 "
                      "Elite product brief, qualcomm.com)"),
         ("dram_gb_s", "LPDDR5X-5300 x 64 bit, Snapdragon 8 Elite product brief (qualcomm.com); peak, not measured"),
-        ("launch_us", UNPUBLISHED_LAUNCH))),
+        ("ram_gb", "Samsung Galaxy S25 (Snapdragon 8 Elite for Galaxy): 12 GB, samsung.com specifications"))),
 )
 
 PUBLISHED = (
@@ -53,7 +73,7 @@ PLUGIN = BackendPlugin(
     summary="Qualcomm Hexagon NPU through QNN (ONNX Runtime's QNN EP or ExecuTorch); runs here on QNN's x86_64 HTP",
     # fp16 between ops: npumoe conformance measured at most 2.1e-3 relative error on the demo's graphs
     conformance=Conformance(min_cosine=0.9999, max_relative_error=5e-3),
-    devices=DEVICES, published=PUBLISHED,
+    devices=DEVICES, published=PUBLISHED, weight_bits="npumoe.backends.qualcomm_htp.quantize:weight_bits",
     commands={"hub": "npumoe.backends.qualcomm_htp.hub:hub_command"},
     command_help={"hub": "Compile or profile HTP graphs on Qualcomm AI Hub devices."},
     trace="npumoe.backends.qualcomm_htp.trace:HtpTrace",

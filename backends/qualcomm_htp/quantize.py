@@ -43,6 +43,16 @@ def precision_for(kind: str, precision: str) -> str:
     return "w8a16" if precision == "w4a16" and kind not in INT4_KINDS else precision
 
 
+# bits a stored weight takes (int4: one fp16 scale per 32 codes, as the luts codes hold it: npumoe's estimate of
+# QNN's own packing, which is unpublished)
+BITS = {"fp16": 16.0, "w8a16": 8.0, "w4a16": 4 + 16 / 32}
+
+
+def weight_bits(kind: str, precision: str) -> float:
+    """Bits one stored weight of a graph of ``kind`` takes at ``precision`` (the cost model's memory budget)."""
+    return BITS[precision_for(kind, checked_precision(precision))]
+
+
 SHARED_NAMES = {"int4": "w4a16"}  # the name every target gives its luts int4 experts (ANE: int4)
 
 

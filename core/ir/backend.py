@@ -149,13 +149,19 @@ UNPUBLISHED_LAUNCH = "no public figure: npumoe's order-of-magnitude estimate (se
 
 @dataclass(frozen=True)
 class Device:
-    """A chip a target runs on, as the cost model (:mod:`npumoe.core.planning.costmodel`) reads it."""
+    """A chip a target runs on, as the cost model (:mod:`npumoe.core.planning.costmodel`) reads it: its speed,
+    and what it can hold (the memory fields: None where nothing is known, and then no verdict is given)."""
 
     name: str
     npu_tops: float  # peak tera-ops/s (NPUs: int8 for Qualcomm, Apple's fp16 as marketed; a GPU: FP32 TFLOPS)
     dram_gb_s: float  # what the accelerator can stream from DRAM
     launch_us: float  # one graph launch, host round trip included
     sources: tuple[tuple[str, str], ...]  # (field, where the number comes from)
+    ram_gb: float | None = None  # RAM of the phone or Mac its source names (the chip ships with several)
+    app_share: float = 1.0  # of that RAM, what one app may hold
+    max_package_gb: float | None = None  # weights one package (Core ML) or context binary (QNN) may hold
+    graph_overhead_mb: float = 0.0  # what each loaded compiled graph (QNN context, Core ML function) costs beyond
+    # its weights
 
     def source(self, field: str) -> str:
         return dict(self.sources)[field]
@@ -204,6 +210,11 @@ class BackendPlugin:
     # fp16 weight bytes) → None or the reason. The planner places graph by graph with it.
     check: Callable[[Graph, int], str | None] | None = None
     devices: tuple[Device, ...] = ()  # chips it runs on: npumoe compare estimates tokens/s for each
+    # "module:function" of (graph kind, precision) → bits one stored weight takes (None: 16 for every precision),
+    # and whether graphs reading the same weights share one package (Core ML multifunction) or each holds its
+    # own copy (one QNN context a graph): what a build needs of a device's memory (the cost model's budget)
+    weight_bits: str | None = None
+    shares_weights: bool = False
     published: tuple[Published, ...] = ()  # measured figures on those chips that check the estimates
     commands: Mapping[str, str] = field(default_factory=dict)  # CLI name → "module:click_command", imported on use
     command_help: Mapping[str, str] = field(default_factory=dict)  # CLI name → its line in `npumoe --help`

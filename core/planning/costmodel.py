@@ -1,5 +1,9 @@
 """Estimated tokens/s of a planned model on phone and laptop NPUs: a roofline with launch costs.
 
+The budget side (:func:`footprint`, :func:`verdict`) asks whether a build fits a device at all: its weights at
+the build's precision, the KV cache at its context and its activations, against the share of the device's RAM
+one app may hold, and each package or context binary against the most one may hold.
+
 Decode reads every weight a token touches once, so a decode step costs its weight bytes over the
 device's DRAM bandwidth plus one launch cost per graph it runs; prefill does ~2 FLOPs per active
 parameter per token, so a chunk costs the larger of its compute time at the NPU's peak and its weight
@@ -12,11 +16,15 @@ come from the plugin records too (``BackendPlugin.devices``): core names no targ
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from npumoe.core.ir.backend import Device, plugins
+from npumoe.core.base.errors import InputError
+from npumoe.core.ir.backend import Device, plugin, plugin_object, plugins
+from npumoe.core.ir.graph import Role
 
 
 @dataclass(frozen=True)
@@ -95,3 +103,148 @@ def workload(spec, plan, chunk_launches: float) -> Workload:
     return Workload(decode_weight_bytes=dense + hit, decode_launches=spec.num_layers + 1 + expert_launches,
                     prefill_flops_per_token=dense + hit,  # 2 FLOPs per active parameter = its fp16 bytes
                     chunk=plan.chunk, chunk_weight_bytes=dense + every, chunk_launches=chunk_launches)
+
+
+# -- what a build needs of a device's memory ---------------------------------------------------------------
+HOST_BITS = 16.0  # weights the host runs itself (embedding, router, norms, CPU experts): as stored (bf16)
+CACHE_BYTES = 2  # the KV cache and activations cross to the NPU in fp16
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What a planned build holds in memory while it runs, in bytes (JSON-able: a multi-target manifest keeps
+    it). Package weights count every copy, as the build stores them: with one QNN context a graph, a layer's
+    prefill and decode graphs hold a copy each; in a Core ML package, graphs reading the same weights share
+    one, but a group's prefill graph and its per-expert decode graphs read different sets and hold two."""
+
+    precision: str
+    max_context: int
+    package_weight_bytes: float  # in the NPU's packages or context binaries
+    host_weight_bytes: float  # what the host maps for the graphs it runs
+    kv_bytes: float  # the KV cache at max_context
+    activation_bytes: float  # the largest graph's inputs and outputs, the cache aside
+    graphs: int  # compiled graphs loaded (QNN contexts, Core ML functions): graphs sharing weights count once
+    largest_graph: str  # the one holding the most weights, which a package must hold whole
+    largest_graph_bytes: float
+
+    @property
+    def bytes(self) -> float:
+        return self.package_weight_bytes + self.host_weight_bytes + self.kv_bytes + self.activation_bytes
+
+
+def weight_bits(target: str, precision: str) -> Callable[[str], float]:
+    """Graph kind → bits one stored weight takes in ``target``'s build at ``precision`` (its plugin's rule)."""
+    record = plugin(target)
+    if record.weight_bits is None:
+        if precision != "fp16":
+            raise InputError(f"target {target} builds fp16 weights only, not {precision!r}.")
+        return lambda kind: 16.0
+    bits = plugin_object(record, record.weight_bits)
+    bits("experts", precision)  # an unknown precision fails here, naming the choices
+    return lambda kind: bits(kind, precision)
+
+
+def footprint(spec, plan, max_context: int, precision: str = "fp16") -> Footprint:
+    """What ``plan``'s build for its target at ``precision`` holds in memory at ``max_context``."""
+    from npumoe.core.compiler.program import build_program
+    from npumoe.core.ir.weights import expected_shapes
+
+    bits, shares = weight_bits(plan.target, precision), plugin(plan.target).shares_weights
+    shapes = expected_shapes(spec) | {"lm_head.weight": (spec.vocab_size, spec.hidden_size)}  # tied or not
+    program = build_program(spec, chunk=plan.chunk, max_context=max_context, plan=plan)
+    npu = [g for g in program.graphs.values() if g.placement == "npu"]
+    compiled: dict = {}  # one per graph, or per set of weights where graphs share a package
+    for g in npu:
+        key = frozenset(g.weight_names()) if shares else g.name
+        size = bits(g.kind) / 8 * sum(math.prod(shapes[n]) for n in g.weight_names())
+        compiled.setdefault(key, (size, g.name))
+    on_npu = {n for g in npu for n in g.weight_names()}
+    host = HOST_BITS / 8 * sum(math.prod(s) for n, s in expected_shapes(spec).items() if n not in on_npu)
+    caches = {(g.layer, n): t.shape for g in program.graphs.values() for n, t in g.inputs.items()
+              if t.role == Role.KV_CACHE}  # a layer's prefill and decode graphs read one cache
+    activations = max(sum(math.prod(t.shape) for t in [*g.inputs.values(), *g.outputs.values()]
+                          if t.role != Role.KV_CACHE) for g in program.graphs.values())
+    largest = max(compiled.values(), default=(0.0, "-"))
+    return Footprint(precision, max_context, sum(size for size, _ in compiled.values()), host,
+                     CACHE_BYTES * sum(math.prod(s) for s in caches.values()), CACHE_BYTES * activations,
+                     len(compiled), largest[1], largest[0])
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a build fits a device: memory against the share one app may hold, packages against their limit."""
+
+    device: str
+    needed_bytes: float  # the footprint plus each compiled graph's overhead
+    budget_bytes: float
+    ram_gb: float
+    largest_graph_bytes: float
+    package_limit_bytes: float | None
+
+    @property
+    def memory_over(self) -> float:
+        return max(0.0, self.needed_bytes - self.budget_bytes)
+
+    @property
+    def package_over(self) -> float:
+        return 0.0 if self.package_limit_bytes is None else max(0.0, self.largest_graph_bytes
+                                                                - self.package_limit_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return not (self.memory_over or self.package_over)
+
+    @property
+    def line(self) -> str:
+        """e.g. "Apple A17 Pro: 3.1 GB of the 4.0 GB an app may hold (8 GB RAM), packages ≤ 1 GB ✓"."""
+        memory = f"{size(self.needed_bytes)} of the {size(self.budget_bytes)} an app may hold ({self.ram_gb:g} GB RAM)"
+        if self.memory_over:
+            memory += f", {size(self.memory_over)} over"
+        if self.package_limit_bytes is None:
+            package = ""
+        elif self.package_over:
+            package = f", largest graph {size(self.largest_graph_bytes)}: {size(self.package_over)} over the " \
+                      f"{size(self.package_limit_bytes)} limit"
+        else:
+            package = f", packages ≤ {size(self.package_limit_bytes)}"
+        return f"{self.device}: {memory}{package} {'✓' if self.fits else '✗'}"
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "fits": self.fits, "needed_bytes": self.needed_bytes,
+                "budget_bytes": self.budget_bytes, "ram_gb": self.ram_gb,
+                "largest_graph_bytes": self.largest_graph_bytes, "package_limit_bytes": self.package_limit_bytes,
+                "line": self.line}
+
+
+def size(n: float) -> str:
+    """Bytes for a verdict: GB to a tenth from 1 GB ("1 GB", not "1.0 GB"), MB below."""
+    if n >= 1e9:
+        return f"{n / 1e9:.1f} GB".replace(".0 GB", " GB")
+    return f"{n / 1e6:.0f} MB" if n >= 1e6 else f"{n / 1e6:.2f} MB"
+
+
+def verdict(device: Device, need: Footprint) -> Verdict | None:
+    """``need`` against ``device`` (None: its record gives no memory figures)."""
+    if device.ram_gb is None:
+        return None
+    limit = None if device.max_package_gb is None else device.max_package_gb * 1e9
+    return Verdict(device.name, need.bytes + need.graphs * device.graph_overhead_mb * 1e6,
+                   device.ram_gb * device.app_share * 1e9, device.ram_gb, need.largest_graph_bytes, limit)
+
+
+def verdicts(target: str, need: Footprint) -> list[Verdict]:
+    """``need`` against every device ``target`` runs on that says what it can hold."""
+    return [v for _, d in devices(target) if (v := verdict(d, need)) is not None]
+
+
+def budget_lines(target: str, need: Footprint) -> list[str]:
+    """One line per device, and when none fits, which limit is nearest to holding it and by how much."""
+    found = verdicts(target, need)
+    lines = [v.line for v in found]
+    if found and not any(v.fits for v in found):
+        near = min(found, key=lambda v: (v.memory_over, v.package_over))
+        why = [f"is {size(near.memory_over)} short of memory"] if near.memory_over else []
+        why += [f"takes packages of {size(near.package_limit_bytes)}, {size(near.package_over)} less than the "
+                "largest graph"] if near.package_over else []
+        lines.append(f"fits no {target} device at {need.precision}: the nearest, {near.device}, {' and '.join(why)}")
+    return lines

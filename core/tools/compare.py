@@ -11,7 +11,15 @@ from pathlib import Path
 
 from npumoe.core.base.errors import ArtifactError, InputError
 from npumoe.core.compiler.artifacts import MANIFEST, read_manifest, read_targets, target_directory
-from npumoe.core.planning.costmodel import Workload, check_published, devices, estimate
+from npumoe.core.planning.costmodel import (
+    Footprint,
+    Workload,
+    budget_lines,
+    check_published,
+    devices,
+    estimate,
+    verdicts,
+)
 from npumoe.core.planning.plan import Plan
 
 
@@ -31,7 +39,9 @@ def compare(out_dir) -> dict:
         rows[target] = _row(out_dir, manifest, target, entry)
     return {"model": manifest["model_name"], "heldout_tokens": manifest["heldout_tokens"], "targets": rows,
             "devices": [{"name": d.name, "npu": target, "npu_tops": d.npu_tops, "dram_gb_s": d.dram_gb_s,
-                         "launch_us": d.launch_us, "sources": dict(d.sources)} for target, d in devices()],
+                         "launch_us": d.launch_us, "ram_gb": d.ram_gb, "app_share": d.app_share,
+                         "max_package_gb": d.max_package_gb, "graph_overhead_mb": d.graph_overhead_mb,
+                         "sources": dict(d.sources)} for target, d in devices()],
             "cost_model_check": check_published()}
 
 
@@ -65,4 +75,18 @@ def _row(out_dir: Path, manifest: dict, target: str, entry: dict) -> dict:
         "cpu_graphs": entry.get("cpu_graphs", {}),
         "estimated": {d.name: {"decode_tok_s": e.decode_tok_s, "prefill_tok_s": e.prefill_tok_s}
                       for _, d in devices(target) for e in [estimate(d, work)]},
+        **_budget(out_dir, target, entry.get("footprint")),
     }
+
+
+def _budget(out_dir: Path, target: str, recorded: dict | None) -> dict:
+    """What each device can hold of the build (builds from before footprints were recorded: nothing)."""
+    if recorded is None:
+        return {}
+    try:
+        need = Footprint(**recorded)
+    except TypeError as err:
+        raise ArtifactError(f"{out_dir / MANIFEST} holds a damaged footprint for {target} ({err}); the manifest was "
+                            "altered, rebuild with npumoe build --targets.") from None
+    return {"footprint": recorded, "fits": [v.to_json() for v in verdicts(target, need)],
+            "budget_lines": budget_lines(target, need)}

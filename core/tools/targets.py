@@ -20,7 +20,7 @@ from npumoe.core.base.io import atomic_write_text
 from npumoe.core.base.outputs import OutputKind, claim, json_kind, staged_directory
 from npumoe.core.compiler.artifacts import MANIFEST, TARGETS_KIND, build
 from npumoe.core.ir.backend import get_backend, plugin, plugins
-from npumoe.core.planning.costmodel import workload
+from npumoe.core.planning.costmodel import footprint, workload
 from npumoe.core.planning.plan import GRAPHS_PER_LAYER, plan
 from npumoe.core.runtime.calibrate import calibrate
 from npumoe.core.tools.validate import validate
@@ -68,9 +68,10 @@ def build_targets(model, targets: list[str], texts: dict[str, str], heldout_ids,
             report(f"{target}: validating on {len(heldout_ids)} held-out tokens")
             checked = validate(model, target, staging / target, heldout_ids, progress=progress)
             work = workload(model.spec, target_plan, checked.npu_launches_per_chunk)
+            need = footprint(model.spec, target_plan, max_context, options.get(target, {}).get("precision", "fp16"))
             entries[target] = {"dir": target, "options": options.get(target, {}), "predicted": target_plan.predicted,
                                "cpu_graphs": target_plan.cpu_graphs, "validation": checked.to_json(),
-                               "workload": asdict(work)}
+                               "workload": asdict(work), "footprint": asdict(need)}
         manifest = {"kind": TARGETS_KIND, "model": model.spec.fingerprint(), "model_name": model.name,
                     "weights": model.weights_fingerprint(), "chunk": chunk, "max_context": max_context,
                     "profile": PROFILE_FILE, "heldout_tokens": int(len(heldout_ids)), "targets": entries}

@@ -59,6 +59,13 @@ def render(result: dict, console: Console) -> None:
         for device, e in row["estimated"].items():
             estimates.add_row(target, device, f"{e['decode_tok_s']:.1f}", f"{e['prefill_tok_s']:.0f}")
     console.print(estimates)
+    for target, row in rows.items():
+        if row.get("budget_lines"):
+            need = row["footprint"]
+            console.print(f"what each {target} device can hold of this build at {need['precision']}, context "
+                          f"{need['max_context']} (npumoe's estimate; each figure's source: --json, devices):")
+            for line in row["budget_lines"]:
+                click.echo(f"  {line}")  # whole, however narrow the terminal
     check = Table("device", "published figure", "published tok/s", "estimate", "estimate / published",
                   title="the cost model against published figures it was not fitted to")
     for c in result["cost_model_check"]:

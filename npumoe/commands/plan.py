@@ -109,20 +109,26 @@ def print_overlap(console: Console, a, b) -> None:
 @click.option("--graphs-per-layer", default=GRAPHS_PER_LAYER, show_default=True, type=click.IntRange(1),
               help="Compiled NPU expert graphs per layer (optimal method), shared by its groups: each group gets "
                    "several shapes when it can, and the runtime launches the one that fits a chunk's routing.")
+@click.option("--precision", default="fp16", show_default=True,
+              help="Weights' precision the build will use (the target's --precision): what the device budget counts.")
+@click.option("--max-context", default=512, show_default=True, type=click.IntRange(1),
+              help="KV cache length the build will use (npumoe build --max-context): what the device budget counts.")
 @click.option("--out", default="plan.json", show_default=True, type=click.Path())
 @click.option("--plot", type=click.Path(), default=None, help="Also draw capacities, groups and residency to a PNG.")
-def plan_command(model_dir, profile_path, target, overflow, residency, method, max_overflow, graphs_per_layer, out,
-                 plot):
+def plan_command(model_dir, profile_path, target, overflow, residency, method, max_overflow, graphs_per_layer,
+                 precision, max_context, out, plot):
     """Plan static shapes for a target: expert groups, their capacity shapes, residency, overflow.
 
     Example: npumoe plan --profile profile.json --target ane --residency npu --out plan.json
     """
+    from npumoe.core.planning.costmodel import budget_lines, devices, footprint, weight_bits
     from npumoe.core.planning.plan import PLAN, plan
     from npumoe.core.planning.profile import RoutingProfile
     from npumoe.models.loader import load
 
     console = Console()
     claim_outputs(out, PLAN, plot)
+    weight_bits(target, precision)  # an unknown precision fails before any work
     model = load(model_dir)
     p = plan(model, RoutingProfile.load(profile_path), target=target, overflow=overflow, residency=residency,
              method=method, max_overflow=max_overflow, graphs_per_layer=graphs_per_layer)
@@ -145,6 +151,11 @@ def plan_command(model_dir, profile_path, target, overflow, residency, method, m
                   f"of routed ({overflow}), NPU share {t['npu_share_pct']:.1f}% (per prefill chunk); a decode token "
                   f"launches {t['decode_launches']:.1f} expert graphs a layer, reading {t['decode_weight_mb']:.1f} MB "
                   f"of expert weights (fp16); wrote {out}")
+    if devices(target):
+        console.print(f"what each {target} device can hold of this build at {precision}, context {max_context} "
+                      "(npumoe's estimate; each figure's source: npumoe compare --json):")
+        for line in budget_lines(target, footprint(model.spec, p, max_context, precision)):
+            click.echo(f"  {line}")  # whole, however narrow the terminal
     if plot:
         from npumoe.core.tools.plots import plan_figure
 

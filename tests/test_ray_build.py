@@ -18,7 +18,7 @@ import pytest
 from cli_check import cli_error
 
 import npumoe
-from npumoe.backends.base import build_progress
+from npumoe.core.base.progress import task
 from npumoe.backends.build_cache import BuildUnit, lower_units
 from npumoe.cli import main
 from npumoe.core.compiler.artifacts import build
@@ -169,8 +169,8 @@ def lower_on(cluster_address: str, then, tmp_path: Path) -> dict:
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     unit = BuildUnit(f"toy-{tmp_path.name}", [types.SimpleNamespace(name="toy")],
                      lambda unit_dir: lower_toy(tmp_path / "attempts", then, unit_dir))
-    with connected(cluster_address) as on_cluster, build_progress(False) as bar:
-        return lower_units([unit], tmp_path / "out", bar, bar.add_task("toy", total=1), jobs=on_cluster)
+    with connected(cluster_address) as on_cluster, task("toy", total=1, progress=False) as step:
+        return lower_units([unit], tmp_path / "out", step, jobs=on_cluster)
 
 
 @needs_ray

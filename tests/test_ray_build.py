@@ -18,9 +18,9 @@ import pytest
 from cli_check import cli_error
 
 import npumoe
-from npumoe.core.base.progress import task
 from npumoe.backends.build_cache import BuildUnit, lower_units
 from npumoe.cli import main
+from npumoe.core.base.progress import task
 from npumoe.core.compiler.artifacts import build
 
 try:

@@ -61,6 +61,7 @@ COMMANDS = {
     "compare": "npumoe.commands.compare:compare_command",
     "conformance": "npumoe.commands.conformance:conformance_command",
     "quantize": "npumoe.commands.quantize:quantize_command",
+    "export": "npumoe.commands.export:export_command",
     "bench": "npumoe.cli:bench",
 }
 

@@ -43,6 +43,13 @@ def _batched_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = N
 EXPERT_OPS = {**OP_IMPLS, "linear": _batched_linear}
 
 
+def _scatter_rows(into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``into`` with row rows[i] set to values[i]. A scatter, not an index_put: ExecuTorch's reinplace pass, which
+    makes the cache writes (index_put) in place, also rewrote these and corrupted the prefill's results under
+    XNNPACK (logits off by up to 3.7 on the demo); the cache writes are the only index_puts left."""
+    return into.scatter(0, rows.unsqueeze(1).expand(-1, into.shape[1]), values)
+
+
 def attention_mask(window: int | None, start: torch.Tensor, valid: torch.Tensor, seq: int,
                    slots: int) -> torch.Tensor:
     """:func:`npumoe.core.runtime.kvcache.attention_mask` with the start position and the real rows as tensors:
@@ -157,14 +164,14 @@ class StaticMoE(torch.nn.Module):
             excess = shapes - loads.index_select(0, members)
             cost = excess.clamp(min=0).sum(1) + overflow_cost * (-excess).clamp(min=0).sum(1)
             chosen = shapes.index_select(0, cost.argmin().reshape(1)).squeeze(0)
-            capacity = capacity.index_put((members,), chosen)
+            capacity = capacity.scatter(0, members, chosen)
         return capacity
 
     def _static_pass(self, z, token, expert_of, rank, fits) -> torch.Tensor:
         """[pairs, H] the pairs within capacity through the batched experts (zero for the others)."""
         rows = self.num_experts * self.width
         slot = torch.where(fits, expert_of * self.width + rank, rows)  # the rest write one scratch row
-        buffer = z.new_zeros(rows + 1, z.shape[1]).index_put((slot,), z.index_select(0, token))
+        buffer = _scatter_rows(z.new_zeros(rows + 1, z.shape[1]), slot, z.index_select(0, token))
         stacked = {name: getattr(self, buffer_name) for name, buffer_name in self.stacked.items()}
         out = self._experts(buffer[:rows].view(self.num_experts, self.width, -1), stacked).reshape(rows, -1)
         return torch.where(fits.unsqueeze(1), out.index_select(0, slot.clamp(max=rows - 1)), 0.0)
@@ -173,11 +180,11 @@ class StaticMoE(torch.nn.Module):
         """[pairs, H] the spilled pairs, each through its own expert (zero for the others)."""
         pairs, slots = token.shape[0], self.spill_slots
         slot = torch.where(spill, spill.to(torch.int64).cumsum(0) - 1, slots)  # spilled pairs in order; rest: scratch
-        pair_of_slot = torch.full((slots + 1,), pairs).index_put((slot,), torch.arange(pairs))[:slots]
+        pair_of_slot = torch.full((slots + 1,), pairs).scatter(0, slot, torch.arange(pairs))[:slots]
         token_of_slot = torch.cat((token, token[:1])).index_select(0, pair_of_slot)  # (an empty slot: any row)
         expert_of_slot = torch.cat((expert_of, expert_of[:1])).index_select(0, pair_of_slot)
         y = self._pairs(z.index_select(0, token_of_slot), expert_of_slot)
-        return z.new_zeros(pairs + 1, z.shape[1]).index_put((pair_of_slot,), y)[:pairs]
+        return _scatter_rows(z.new_zeros(pairs + 1, z.shape[1]), pair_of_slot, y)[:pairs]
 
 
 class WholeModel(torch.nn.Module):

@@ -99,6 +99,7 @@ COMMANDS = {
     "conformance": ("npumoe.commands.conformance:conformance_command",
                     "Check a backend against the reference interpreter."),
     "quantize": ("npumoe.commands.quantize:quantize_command", "Quantise weights to the npumoe LUT format."),
+    "export": ("npumoe.commands.export:export_command", "The whole model as one ExecuTorch program."),
     "bench": ("npumoe.cli:bench", "Benchmarks (speed figures live here)."),
 }
 

@@ -1,6 +1,6 @@
 """The CPU reference backend's registry record: any shape, every op, fp32 torch."""
 
-from npumoe.core.ir.backend import BackendPlugin, Capabilities
+from npumoe.core.ir.backend import BackendPlugin, Capabilities, ProgramTarget
 from npumoe.core.ir.graph import OPS
 
 CPU_CAPS = Capabilities(
@@ -14,4 +14,7 @@ CPU_CAPS = Capabilities(
 )
 
 PLUGIN = BackendPlugin(name="cpu", caps=CPU_CAPS, factory="npumoe.backends.cpu.backend:CpuBackend",
-                       summary="the reference interpreter on this CPU (any shape; runs unplanned graphs)")
+                       summary="the reference interpreter on this CPU (any shape; runs unplanned graphs)",
+                       program=ProgramTarget(partitioners="npumoe.backends.cpu.program:partitioners",
+                                             libraries=("executorch_backend_xnnpack",),
+                                             device="cpu (XNNPACK, ExecuTorch's optimized kernels)"))

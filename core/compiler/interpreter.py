@@ -188,6 +188,20 @@ def register_op(name: str, impl: Callable) -> None:
     OP_IMPLS[name] = impl
 
 
+def evaluate(graph: Graph, inputs: Mapping[str, torch.Tensor], weight: Callable[[str], torch.Tensor],
+             impls: Mapping[str, Callable] = OP_IMPLS) -> dict[str, torch.Tensor]:
+    """``graph``'s outputs from its ops, each weight asked of ``weight(name)`` as the op runs: for code that traces
+    graphs into a program of its own (torch.export), where weights must be read through its module. The cached
+    attention runs by parts as :class:`TorchGraphExecutor` runs it (:func:`fuse_cached_attention`); nothing is
+    batched."""
+    steps = [(impls[op.op], [weight(v[len(WEIGHT_PREFIX):]) if v.startswith(WEIGHT_PREFIX) else v for v in op.inputs],
+              op.a, op.outputs) for op in graph.ops]
+    env = dict(inputs)
+    for step in fuse_cached_attention(steps):
+        _run_step(step, env)
+    return {name: env[name] for name in graph.outputs}
+
+
 def value_shapes(graph: Graph, weights: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     """Every value's static shape, by running the reference ops on meta tensors (the ops' semantics are
     their shapes' too). Weights are asked through ``weight_shape``, so packed experts stay packed."""

@@ -10,7 +10,7 @@ or run. So `plan` and `--help` never import a toolchain, and core never imports 
 A plugin record also carries what the rest of npumoe shows about the device, so porting edits nothing in
 npumoe: the cost model's :class:`Device` records for the chips it runs on (each number with its source) and
 the :class:`Published` figures that check them, the CLI commands it adds (``npumoe hub``, ``npumoe lint``)
-and, optionally, a device profile for ``npumoe generate --trace``.
+and, optionally, a device profile for ``npumoe generate --trace`` and a :class:`ProgramTarget` for ``npumoe export``.
 
 The backend object (compare ggml's backend vtable) has ``caps``, ``lower(graph, weights, out_dir)``
 (compile one static IR graph into an artifact), ``load(artifact, out_dir, graph, weights)`` (an
@@ -181,6 +181,16 @@ class Published:
     source: str
 
 
+@dataclass(frozen=True)
+class ProgramTarget:
+    """How a target takes part in ``npumoe export``'s whole-model ExecuTorch program: the partitioners that hand
+    its device the parts it runs, and what the native runner links so that those parts' backends register."""
+
+    partitioners: str  # "module:function" → the ExecuTorch partitioners to lower with, imported on use
+    libraries: tuple[str, ...] = ()  # ExecuTorch backend libraries the runner links (names without lib and .so)
+    device: str = "cpu"  # what runs the program's methods, as the export manifest says
+
+
 class DeviceTrace(Protocol):
     """A target's device profile in ``npumoe generate --trace`` (``BackendPlugin.trace`` names its class)."""
 
@@ -219,6 +229,7 @@ class BackendPlugin:
     commands: Mapping[str, str] = field(default_factory=dict)  # CLI name → "module:click_command", imported on use
     command_help: Mapping[str, str] = field(default_factory=dict)  # CLI name → its line in `npumoe --help`
     trace: str | None = None  # "module:Class" of its DeviceTrace, if it can profile a run
+    program: ProgramTarget | None = None  # how npumoe export puts a whole model on it (None: not yet)
 
     def supports(self, graph: Graph, weight_bytes: int) -> str | None:
         """None if this backend takes ``graph``, else why not (one clause, for the plan and its table)."""

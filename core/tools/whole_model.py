@@ -1,0 +1,277 @@
+"""The whole model as one torch module of static shapes: what ``npumoe export`` traces into one program.
+
+Two methods share one KV cache, held in buffers they write: ``prefill`` (a chunk of the program's size from a start
+position, its first ``valid`` tokens real) and ``decode`` (one token). Attention, dense and shared feed-forwards and
+the LM head evaluate the compiler's own IR graphs, so the program computes what the reference interpreter does for
+every family the IR describes; what the host runtime does between graphs (rope rows, masks, the cache append,
+routing, dispatch, combine) is written here in tensor ops whose shapes never depend on the tokens.
+
+A MoE layer keeps the plan's static dispatch (:class:`StaticMoE`); no routed pair is lost, so its results are the
+reference's whatever the capacities.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from npumoe.core.compiler.graphs import experts_graph
+from npumoe.core.compiler.interpreter import OP_IMPLS, evaluate
+from npumoe.core.compiler.program import ExpertGroup, Program
+from npumoe.core.ir.rope import cos_sin
+from npumoe.core.ir.spec import ModelSpec
+from npumoe.core.ir.weights import expert
+from npumoe.core.runtime.router import route
+
+MASKED = float("-inf")
+
+
+def _buffer_name(weight: str) -> str:
+    return "w_" + weight.replace(".", "_")
+
+
+def _fp32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to(torch.float32).contiguous()
+
+
+def _batched_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """The IR's linear over a leading expert axis: x[E, R, in] · w[E, out, in]ᵀ (+ b[E, out])."""
+    y = torch.matmul(x, w.transpose(-1, -2))
+    return y if b is None else y + b.unsqueeze(-2)
+
+
+EXPERT_OPS = {**OP_IMPLS, "linear": _batched_linear}
+
+
+def _scatter_rows(into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``into`` with row rows[i] set to values[i]. A scatter, not an index_put: ExecuTorch's reinplace pass, which
+    makes the cache writes (index_put) in place, also rewrote these and corrupted the prefill's results under
+    XNNPACK (logits off by up to 3.7 on the demo); the cache writes are the only index_puts left."""
+    return into.scatter(0, rows.unsqueeze(1).expand(-1, into.shape[1]), values)
+
+
+def attention_mask(window: int | None, start: torch.Tensor, valid: torch.Tensor, seq: int,
+                   slots: int) -> torch.Tensor:
+    """:func:`npumoe.core.runtime.kvcache.attention_mask` with the start position and the real rows as tensors:
+    [seq, slots + seq], cache slots below ``start`` and this chunk's keys causally, padding rows only themselves."""
+    rows = torch.arange(seq)
+    query = start + rows
+    cache = torch.arange(slots).unsqueeze(0) < start
+    new = (rows.unsqueeze(0) <= rows.unsqueeze(1)) & (rows.unsqueeze(0) < valid)
+    if window is not None:
+        cache = cache & (torch.arange(slots).unsqueeze(0) > query.unsqueeze(1) - window)
+        new = new & (query.unsqueeze(0) > query.unsqueeze(1) - window)
+    padding = (rows >= valid).unsqueeze(1)
+    visible = torch.cat((cache & ~padding, torch.where(padding, rows.unsqueeze(0) == rows.unsqueeze(1), new)), dim=1)
+    return torch.where(visible, 0.0, MASKED)
+
+
+class StaticMoE(torch.nn.Module):
+    """One MoE layer's routing, dispatch, experts and combine in static shapes.
+
+    A chunk's routed (token, expert) pairs are ranked within their expert in token order, as the runtime's dispatch
+    ranks them; each static group launches the compiled shape whose capacities fit the chunk's loads best (the
+    runtime's choice); pairs within capacity fill an [experts × width] buffer that one batched product per matrix
+    runs. The others spill to a pair-by-pair path, each pair through its own expert's matrices gathered for it,
+    with slots for the most pairs that can spill (every pair for CPU-resident experts and unplanned layers). A decode
+    token's pairs always take that path: it reads only its experts' matrices."""
+
+    def __init__(self, spec: ModelSpec, layer: int, weights, groups: list[ExpertGroup], chunk: int):
+        super().__init__()
+        moe = spec.layers[layer].ffn
+        self.router, self.top_k, self.num_experts = moe.router, moe.top_k, moe.num_experts
+        prefix = f"layers.{layer}.moe.router"
+        self.register_buffer("router_weight", _fp32(weights[f"{prefix}.weight"]))
+        self.register_buffer("router_bias", _fp32(weights[f"{prefix}.bias"]) if moe.router.bias else None)
+        self.register_buffer("correction", _fp32(weights[f"{prefix}.correction_bias"])
+                             if moe.router.correction_bias else None)
+        self.graph = experts_graph(spec, layer, (0,), (1,), f"L{layer}.exported_expert")
+        self.stacked = {}  # expert 0's weight names in the graph → every expert's, stacked [E, ...]
+        for name in self.graph.weight_names():
+            part = name[len(expert(layer, 0)) + 1:]
+            buffer = "experts_" + part.replace(".", "_")
+            self.register_buffer(buffer, torch.stack([_fp32(weights[f"{expert(layer, e)}.{part}"])
+                                                      for e in range(moe.num_experts)]))
+            self.stacked[name] = buffer
+        self.register_buffer("pair_token", torch.arange(chunk).repeat_interleave(moe.top_k))
+        self.register_buffer("expert_ids", torch.arange(moe.num_experts))
+        self._plan_capacities(groups, chunk)
+
+    def _plan_capacities(self, groups: list[ExpertGroup], chunk: int) -> None:
+        """The static groups' shapes as tensors, the buffer's width and the spill slots they need. An expert holds
+        at most ``chunk`` of a chunk's pairs, so no capacity needs more."""
+        smallest = [0] * self.num_experts  # each expert's least capacity over its group's shapes (0: CPU-resident)
+        fixed = torch.zeros(self.num_experts, dtype=torch.int64)
+        self.choices = []  # (group index buffer, its shapes' buffer, overflow cost) of groups with several shapes
+        for j, group in enumerate(g for g in groups if g.shapes):
+            caps = torch.tensor([s.capacities for s in group.shapes]).clamp(max=chunk)
+            members = torch.tensor(group.experts)
+            for column, e in enumerate(group.experts):
+                smallest[e] = int(caps[:, column].min())
+            if len(group.shapes) == 1:
+                fixed[members] = caps[0]
+                continue
+            self.register_buffer(f"group_{j}_experts", members)
+            self.register_buffer(f"group_{j}_shapes", caps)
+            self.choices.append((f"group_{j}_experts", f"group_{j}_shapes", group.overflow_cost))
+        self.register_buffer("fixed_capacity", fixed)
+        self.width = max((int(c) for g in groups for s in g.shapes for c in s.capacities), default=0)
+        self.width = min(self.width, chunk)
+        # the most pairs that can spill: every token routed to the k experts of least capacity
+        self.spill_slots = sum(sorted((chunk - c for c in smallest), reverse=True)[:self.top_k])
+
+    def _route(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        experts, gates, _ = route(z, self.router, self.router_weight, self.router_bias, self.correction)
+        return experts.reshape(-1), gates.reshape(-1)
+
+    def _experts(self, x: torch.Tensor, matrices: dict[str, torch.Tensor]) -> torch.Tensor:
+        """x[E', R, H] through expert e's matrices for each leading index e (matrices stacked to match)."""
+        return evaluate(self.graph, {"x": x}, matrices.__getitem__, EXPERT_OPS)["y"]
+
+    def _pairs(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Row i of x[n, H] through expert ``experts[i]``: its matrices gathered for it."""
+        matrices = {name: getattr(self, buffer).index_select(0, experts) for name, buffer in self.stacked.items()}
+        return self._experts(x.unsqueeze(1), matrices).squeeze(1)
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        expert_of, gate = self._route(z)
+        y = self._pairs(z.expand(self.top_k, -1), expert_of)
+        return (y * gate.unsqueeze(1)).sum(0, keepdim=True)
+
+    def prefill(self, z: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        seq, hidden = z.shape
+        expert_of, gate = self._route(z)
+        token = self.pair_token
+        real = token < valid  # padding rows route too, but their pairs take no slot
+        counts = ((expert_of.unsqueeze(1) == self.expert_ids) & real.unsqueeze(1)).to(torch.int64).cumsum(0)
+        rank = counts.gather(1, expert_of.unsqueeze(1)).squeeze(1) - 1  # within its expert, in token order
+        y = z.new_zeros(token.shape[0], hidden)
+        spill = real
+        if self.width:
+            fits = real & (rank < self._capacities(counts[-1]).index_select(0, expert_of))
+            y = self._static_pass(z, token, expert_of, rank, fits)
+            spill = real & ~fits
+        if self.spill_slots:
+            y = y + self._spill_pass(z, token, expert_of, spill)
+        return (y * gate.unsqueeze(1)).view(seq, self.top_k, hidden).sum(1)
+
+    def _capacities(self, loads: torch.Tensor) -> torch.Tensor:
+        """[E] each expert's static slots this chunk: its group's shape of least padding + overflow_cost · overflow
+        for these loads (:meth:`npumoe.core.runtime.moe.MoELayer._layout`)."""
+        capacity = self.fixed_capacity
+        for members, shapes, overflow_cost in self.choices:
+            members, shapes = getattr(self, members), getattr(self, shapes)
+            excess = shapes - loads.index_select(0, members)
+            cost = excess.clamp(min=0).sum(1) + overflow_cost * (-excess).clamp(min=0).sum(1)
+            chosen = shapes.index_select(0, cost.argmin().reshape(1)).squeeze(0)
+            capacity = capacity.scatter(0, members, chosen)
+        return capacity
+
+    def _static_pass(self, z, token, expert_of, rank, fits) -> torch.Tensor:
+        """[pairs, H] the pairs within capacity through the batched experts (zero for the others)."""
+        rows = self.num_experts * self.width
+        slot = torch.where(fits, expert_of * self.width + rank, rows)  # the rest write one scratch row
+        buffer = _scatter_rows(z.new_zeros(rows + 1, z.shape[1]), slot, z.index_select(0, token))
+        stacked = {name: getattr(self, buffer_name) for name, buffer_name in self.stacked.items()}
+        out = self._experts(buffer[:rows].view(self.num_experts, self.width, -1), stacked).reshape(rows, -1)
+        return torch.where(fits.unsqueeze(1), out.index_select(0, slot.clamp(max=rows - 1)), 0.0)
+
+    def _spill_pass(self, z, token, expert_of, spill) -> torch.Tensor:
+        """[pairs, H] the spilled pairs, each through its own expert (zero for the others)."""
+        pairs, slots = token.shape[0], self.spill_slots
+        slot = torch.where(spill, spill.to(torch.int64).cumsum(0) - 1, slots)  # spilled pairs in order; rest: scratch
+        pair_of_slot = torch.full((slots + 1,), pairs).scatter(0, slot, torch.arange(pairs))[:slots]
+        token_of_slot = torch.cat((token, token[:1])).index_select(0, pair_of_slot)  # (an empty slot: any row)
+        expert_of_slot = torch.cat((expert_of, expert_of[:1])).index_select(0, pair_of_slot)
+        y = self._pairs(z.index_select(0, token_of_slot), expert_of_slot)
+        return _scatter_rows(z.new_zeros(pairs + 1, z.shape[1]), pair_of_slot, y)[:pairs]
+
+
+class WholeModel(torch.nn.Module):
+    """Embedding, every layer, the final norm and the LM head over a KV cache of ``program.max_context`` slots."""
+
+    def __init__(self, program: Program, weights):
+        super().__init__()
+        spec = self.spec = program.spec
+        self.program, self.chunk, self.max_context = program, program.chunk, program.max_context
+        self.alias = {"lm_head.weight": "embed.weight"} if spec.tie_embeddings else {}
+        names = {n for g in program.graphs.values() if g.kind != "experts" for n in g.weight_names()}
+        for name in sorted((names | {"embed.weight"}) - set(self.alias)):
+            self.register_buffer(_buffer_name(name), _fp32(weights[name]))
+        ropes = [(ls.attention.rope, ls.attention.qk_rope_head_dim if ls.attention.kind == "mla"
+                  else ls.attention.head_dim) for ls in spec.layers]
+        self.rope_of = [ropes.index(rope) for rope in ropes]  # per layer, the first layer alike in rope
+        for key in sorted(set(self.rope_of)):  # every position a chunk can reach, padding rows included
+            cos, sin = cos_sin(*ropes[key], np.arange(program.max_context + program.chunk))
+            self.register_buffer(f"rope_cos_{key}", torch.from_numpy(cos))
+            self.register_buffer(f"rope_sin_{key}", torch.from_numpy(sin))
+        self.moe = torch.nn.ModuleDict()
+        for i, step in enumerate(program.layers):
+            graph = program.graphs[step.attention[1]]
+            self.register_buffer(f"k_cache_{i}", torch.zeros(graph.inputs["k_cache"].shape))
+            self.register_buffer(f"v_cache_{i}", torch.zeros(graph.inputs["v_cache"].shape))
+            if step.moe is not None:
+                self.moe[str(i)] = StaticMoE(spec, i, weights, step.moe.groups[program.chunk], program.chunk)
+
+    def weight(self, name: str) -> torch.Tensor:
+        return getattr(self, _buffer_name(self.alias.get(name, name)))
+
+    def prefill(self, tokens: torch.Tensor, start: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """tokens [chunk] int64 at positions start.. (start [1]), the first ``valid`` [1] real → the last real
+        position's logits [1, vocab]; their keys and values are in the cache."""
+        x = self._layers(tokens, start, valid)
+        return self._head(x.index_select(0, valid - 1))
+
+    def decode(self, token: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """token [1] int64 at position ``start`` [1] → its logits [1, vocab]."""
+        return self._head(self._layers(token, start, torch.ones_like(start)))
+
+    def _layers(self, ids: torch.Tensor, start: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        seq, spec = ids.shape[0], self.spec
+        x = self.weight("embed.weight").index_select(0, ids)
+        if spec.embedding_scale != 1.0:
+            x = x * spec.embedding_scale
+        positions = start + torch.arange(seq)
+        rope_rows = {key: (getattr(self, f"rope_cos_{key}").index_select(0, positions),
+                           getattr(self, f"rope_sin_{key}").index_select(0, positions)) for key in set(self.rope_of)}
+        masks = {}
+        for i, step in enumerate(self.program.layers):
+            window = spec.layers[i].attention.sliding_window
+            if window not in masks:
+                masks[window] = attention_mask(window, start, valid, seq, self.max_context)
+            k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
+            cos, sin = rope_rows[self.rope_of[i]]
+            out = evaluate(self.program.graphs[step.attention[seq]], {
+                "x": x, "cos": cos, "sin": sin, "mask": masks[window], "k_cache": k_cache, "v_cache": v_cache},
+                self.weight)
+            # padding rows repeat the last real row's key and value at its slot, so every write is a real one
+            source = torch.minimum(torch.arange(seq), valid - 1)
+            k_cache[:, start + source] = out["k_new"].index_select(1, source)
+            v_cache[:, start + source] = out["v_new"].index_select(1, source)
+            x = out["h"] + self._feed_forward(i, out["z"], valid)
+        return x
+
+    def _feed_forward(self, i: int, z: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        step, seq = self.program.layers[i], z.shape[0]
+        if step.moe is None:
+            return evaluate(self.program.graphs[step.dense[seq]], {"z": z}, self.weight)["y"]
+        moe = self.moe[str(i)]
+        y = moe.decode(z) if seq == 1 else moe.prefill(z, valid)
+        if step.moe.shared is not None:
+            y = y + evaluate(self.program.graphs[step.moe.shared[seq]], {"z": z}, self.weight)["y"]
+        return y
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        return evaluate(self.program.graphs[self.program.lm_head[1]], {"x": x}, self.weight)["logits"]
+
+
+class Method(torch.nn.Module):
+    """One method of :class:`WholeModel` as a module's forward, for torch.export; every method's module holds the
+    same model, so their buffers have the same names (the program's methods share what the names share)."""
+
+    def __init__(self, model: WholeModel, name: str):
+        super().__init__()
+        self.model, self.method = model, name
+
+    def forward(self, *inputs):
+        return getattr(self.model, self.method)(*inputs)

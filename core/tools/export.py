@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -131,10 +132,15 @@ def lower(module: WholeModel, partitioners: list, metadata: dict) -> bytes:
     position = torch.zeros(1, dtype=torch.int64)
     examples = {"prefill": (torch.zeros(module.chunk, dtype=torch.int64), position, position + 1),
                 "decode": (torch.zeros(1, dtype=torch.int64), position)}
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # torch's and ExecuTorch's notices to their own developers, and one about the cache's initial state, which
+        # is not stored: the runtime's planned arenas start zeroed, and attention weighs every unwritten slot zero
+        for category in (FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category)
+        warnings.filterwarnings("ignore", message="Mutation on a buffer")
         exported = {name: torch.export.export(Method(module, name), example, strict=False)
                     for name, example in examples.items()}
-    edge = to_edge_transform_and_lower(exported, partitioner=partitioners, constant_methods=metadata)
-    config = ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
-                                     emit_mutable_buffer_names=True, run_reinplace_pass=True)  # cache writes in place
-    return edge.to_executorch(config).buffer
+        edge = to_edge_transform_and_lower(exported, partitioner=partitioners, constant_methods=metadata)
+        config = ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
+                                         emit_mutable_buffer_names=True, run_reinplace_pass=True)  # in-place writes
+        return edge.to_executorch(config).buffer

@@ -145,14 +145,13 @@ class StaticMoE(torch.nn.Module):
         real = token < valid  # padding rows route too, but their pairs take no slot
         counts = ((expert_of.unsqueeze(1) == self.expert_ids) & real.unsqueeze(1)).to(torch.int64).cumsum(0)
         rank = counts.gather(1, expert_of.unsqueeze(1)).squeeze(1) - 1  # within its expert, in token order
-        y = z.new_zeros(token.shape[0], hidden)
-        spill = real
+        y, spill = None, real
         if self.width:
             fits = real & (rank < self._capacities(counts[-1]).index_select(0, expert_of))
-            y = self._static_pass(z, token, expert_of, rank, fits)
-            spill = real & ~fits
+            y, spill = self._static_pass(z, token, expert_of, rank, fits), real & ~fits
         if self.spill_slots:
-            y = y + self._spill_pass(z, token, expert_of, spill)
+            spilled = self._spill_pass(z, token, expert_of, spill)
+            y = spilled if y is None else y + spilled
         return (y * gate.unsqueeze(1)).view(seq, self.top_k, hidden).sum(1)
 
     def _capacities(self, loads: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,7 @@ def test_compare_says_what_each_device_can_hold_of_each_build(built, capsys):
         assert all(v["fits"] for v in row["fits"])  # the demo: under 1 GB anywhere
     main(["compare", str(built)])
     lines = capsys.readouterr().out.splitlines()
-    for _, device in devices():
+    for _, device in (pair for target in result["targets"] for pair in devices(target)):
         assert any(line.strip().startswith(f"{device.name}: ") and line.endswith("✓") for line in lines)
 
 

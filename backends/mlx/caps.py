@@ -19,19 +19,33 @@ M2_TFLOPS, M2_TFLOPS_SOURCE = _tflops(10, 1.398, "third-party clock reports, e.g
 M4_TFLOPS, M4_TFLOPS_SOURCE = _tflops(10, 1.470, "third-party clock reports, e.g. hmc-tech.com's 10-core M4 page")
 M4_MAX_TFLOPS, M4_MAX_TFLOPS_SOURCE = _tflops(40, 1.678, "third-party clock reports, e.g. hmc-tech.com's M4 Max page")
 
+MAC_SHARE = "estimate: macOS sets no per-app limit; npumoe leaves a quarter of RAM to the OS and the user's other apps"
+MEMORY_SOURCES = (
+    ("app_share", MAC_SHARE),
+    ("max_package_gb", "none: MLX maps safetensors files, which have no per-file limit"),
+    ("graph_overhead_mb", "estimate: an MLX function holds no compiled binary beyond its weights"),
+)
+
+
+def mac_gpu(name: str, tflops: float, dram_gb_s: float, ram_gb: float, sources: tuple) -> Device:
+    """A Mac's GPU: its own figures, with the RAM of the base Mac that carries the chip."""
+    return Device(name, tflops, dram_gb_s, 100.0, (*sources, ("launch_us", LAUNCH_ESTIMATE), *MEMORY_SOURCES),
+                  ram_gb=ram_gb, app_share=0.75)
+
+
 DEVICES = (
-    Device("Apple M2 GPU", M2_TFLOPS, 100.0, 100.0, (
+    mac_gpu("Apple M2 GPU", M2_TFLOPS, 100.0, 8.0, (
         ("npu_tops", M2_TFLOPS_SOURCE),
         ("dram_gb_s", "Apple newsroom, 'Apple unveils M2' (2022-06-06): 100 GB/s unified memory bandwidth"),
-        ("launch_us", LAUNCH_ESTIMATE))),
-    Device("Apple M4 GPU", M4_TFLOPS, 120.0, 100.0, (
+        ("ram_gb", "MacBook Air (M2, 2022) tech specs, apple.com: 8 GB unified memory in the base model"))),
+    mac_gpu("Apple M4 GPU", M4_TFLOPS, 120.0, 16.0, (
         ("npu_tops", M4_TFLOPS_SOURCE),
         ("dram_gb_s", "Apple newsroom, 'Apple introduces M4 chip' (2024-05-07): 120 GB/s"),
-        ("launch_us", LAUNCH_ESTIMATE))),
-    Device("Apple M4 Max GPU", M4_MAX_TFLOPS, 546.0, 100.0, (
+        ("ram_gb", "Mac mini (M4, 2024) tech specs, apple.com: 16 GB unified memory in the base model"))),
+    mac_gpu("Apple M4 Max GPU", M4_MAX_TFLOPS, 546.0, 36.0, (
         ("npu_tops", M4_MAX_TFLOPS_SOURCE),
         ("dram_gb_s", "Apple newsroom, MacBook Pro with M4 family (2024-10-30): M4 Max 546 GB/s"),
-        ("launch_us", LAUNCH_ESTIMATE))),
+        ("ram_gb", "MacBook Pro (M4 Max, 2024) tech specs, apple.com: 36 GB unified memory in the base model"))),
 )
 
 MLX_CAPS = Capabilities(

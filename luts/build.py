@@ -16,9 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
-import os
 import platform
-import shlex
 import shutil
 import subprocess
 import sysconfig
@@ -26,7 +24,7 @@ from pathlib import Path
 
 from npumoe.core.base.errors import BackendUnavailableError
 from npumoe.core.base.native import cache_dir as native_cache_dir
-from npumoe.core.base.native import cached_build
+from npumoe.core.base.native import cached_build, find_compiler
 
 CSRC = Path(__file__).parent / "csrc"
 COMMON_SOURCES = ("api.c", "pool.c", "portable.c", "bf16.c", "bf16_dot.c", "decode.c")
@@ -48,13 +46,8 @@ def cache_dir() -> Path:
 
 @functools.cache
 def compiler() -> tuple[str, ...]:
-    if os.environ.get("CC"):
-        return tuple(shlex.split(os.environ["CC"]))
-    for name in ("cc", "gcc", "clang"):
-        if shutil.which(name):
-            return (name,)
-    raise BackendUnavailableError("no C compiler found for the LUT kernels; install gcc or clang (Debian: "
-                                  "apt-get install gcc) or set CC.")
+    return find_compiler("CC", ("cc", "gcc", "clang"), "no C compiler found for the LUT kernels; install gcc or "
+                         "clang (Debian: apt-get install gcc) or set CC.")
 
 
 @functools.cache

@@ -11,6 +11,8 @@ before a cached binary is handed to dlopen or import, compiling again on any mis
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,6 +24,17 @@ from npumoe.core.base.io import atomic_write_text, sha256_file
 from npumoe.core.base.progress import note, task
 
 SIDECAR = ".sha256"  # "<size> <sha256>" of the binary beside it, written when it was built
+
+
+def find_compiler(variable: str, names: tuple[str, ...], missing: str) -> tuple[str, ...]:
+    """``$variable`` split as a shell would (the user's choice), else the first of ``names`` on the path; none:
+    :class:`BackendUnavailableError` with ``missing``, which names the install step."""
+    if os.environ.get(variable):
+        return tuple(shlex.split(os.environ[variable]))
+    for name in names:
+        if shutil.which(name):
+            return (name,)
+    raise BackendUnavailableError(missing)
 
 
 def cache_dir(name: str) -> Path:

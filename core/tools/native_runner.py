@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
-import shlex
-import shutil
 import subprocess
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from npumoe.core.base.errors import BackendUnavailableError
-from npumoe.core.base.native import cache_dir, cached_build
+from npumoe.core.base.native import cache_dir, cached_build, find_compiler
 
 SOURCE = Path(__file__).parent / "npumoe_run" / "npumoe_run.cpp"
 RUNTIME_LIBRARIES = ("executorch", "executorch_kernels_optimized")
@@ -46,13 +43,8 @@ def executorch_root() -> Path:
 
 def compiler() -> tuple[str, ...]:
     """``$CXX``, else the first of c++, g++ and clang++ on the path."""
-    if os.environ.get("CXX"):
-        return tuple(shlex.split(os.environ["CXX"]))
-    for name in ("c++", "g++", "clang++"):
-        if shutil.which(name):
-            return (name,)
-    raise BackendUnavailableError("npumoe export compiles its native runner with a C++17 compiler and found none; "
-                                  "install one (Debian: apt-get install g++) or set CXX.")
+    return find_compiler("CXX", ("c++", "g++", "clang++"), "npumoe export compiles its native runner with a C++17 "
+                         "compiler and found none; install one (Debian: apt-get install g++) or set CXX.")
 
 
 def _executorch_version() -> str:

@@ -135,10 +135,11 @@ def rope_spec(cfg: dict, head_dim: int, interleaved: bool = False) -> RopeSpec:
     partial = params.pop("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) or 1.0
     if kind not in ROPE_KINDS:
         raise UnsupportedModelError(f"rope type {kind!r} is not supported; supported: {', '.join(ROPE_KINDS)}.")
+    max_position = first(cfg, "max_position_embeddings", default=2048)  # (null: not set, as elsewhere)
     # transformers prefers the top-level value and falls back to max_position_embeddings
     params["original_max_position_embeddings"] = first(
         cfg, "original_max_position_embeddings", default=params.get("original_max_position_embeddings")
-    ) or cfg.get("max_position_embeddings", 2048)
+    ) or max_position
     clean = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items() if v is not None))
     return RopeSpec(
         theta=theta,
@@ -146,7 +147,7 @@ def rope_spec(cfg: dict, head_dim: int, interleaved: bool = False) -> RopeSpec:
         kind=kind,
         params=clean,
         interleaved=interleaved,
-        max_position=int(cfg.get("max_position_embeddings", 2048)),
+        max_position=int(max_position),
     )
 
 

@@ -10,10 +10,11 @@ class Qwen3MoeAdapter(Adapter):
     model_types = ("qwen3_moe",)
 
     def spec(self, cfg: dict) -> ModelSpec:
+        norm = rms_norm(cfg)
         attention = gqa_attention(
             cfg,
             qk_norm="head",
-            qk_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            qk_norm_eps=norm.eps,  # the model's own eps (null: not set, the default)
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window") else None,
         )
         act = activation(cfg)
@@ -24,7 +25,6 @@ class Qwen3MoeAdapter(Adapter):
             expert=MLPSpec(require(cfg, "moe_intermediate_size"), act),
         )
         dense = MLPSpec(require(cfg, "intermediate_size"), act)
-        norm = rms_norm(cfg)
         layers = tuple(
             LayerSpec(attention, moe if is_sparse(cfg, i, num_experts) else dense, norm)
             for i in range(require(cfg, "num_hidden_layers"))

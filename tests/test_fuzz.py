@@ -176,6 +176,8 @@ CONFIG_KEYS = sorted(json.loads(json.dumps(transformers.Qwen3MoeConfig().to_dict
 
 @fuzz(30)
 @given(edits=config_edits(CONFIG_KEYS))
+@example(edits={"max_position_embeddings": None})  # a TypeError in the rope tables' int() (long run)
+@example(edits={"rms_norm_eps": None})  # a TypeError in the qk-norm's float() (long run)
 def test_fuzzed_config_is_refused_or_runs(tiny, tmp_path, edits):
     path = mutated_config_dir(tiny, tmp_path, edits)
     expect_typed_error_or_finite(lambda: load_and_forward(path), (len(IDS), VOCAB))

@@ -114,7 +114,7 @@ def test_fused_decode_of_packed_matrices_stays_within_the_luts_rounding(every_ke
     config = transformers.Qwen3MoeConfig(**widths, intermediate_size=64, moe_intermediate_size=32, head_dim=16,
                                          num_experts=6, norm_topk_prob=True)
     build_checkpoint(config, tmp_path / "hf")
-    quantize_checkpoint(tmp_path / "hf", tmp_path / "q", bits=4, group=32, linears="all")
+    quantize_checkpoint(tmp_path / "hf", tmp_path / "q", bits=4, group=32, linears="all", head_bits=4)
     model = npumoe.load(tmp_path / "q")
     fused, _, calls = decode(model, "step", monkeypatch)
     interpreted, _, _ = decode(model, "interpreter", monkeypatch)

@@ -214,13 +214,12 @@ def test_a_directory_where_a_file_is_expected_is_called_a_directory(tiny, tmp_pa
 # -- artifacts bound to the plan they were built from -----------------------------------------------------
 @pytest.fixture(scope="module")
 def built(tiny, tmp_path_factory):
-    """The tiny model's CPU plan with every graph 'on the NPU' (so it has graphs to build), saved and built."""
+    """The tiny model's CPU plan with every expert 'on the NPU' (so it has graphs to build), saved and built."""
     from npumoe.core.compiler.artifacts import build
 
     model = npumoe.load(tiny)
     out = tmp_path_factory.mktemp("built")
     plan = npumoe.plan(model, npumoe.calibrate(model, [list(range(50))], chunk=4), target="cpu", residency="npu")
-    plan.dense_placement = "npu"
     plan.save(out / "plan.json")
     build(model, plan, "cpu", out / "build", max_context=16, progress=False)
     return out
@@ -241,17 +240,21 @@ def swap_first_experts(plan_json: dict) -> dict:
     return plan_json
 
 
-def test_a_plan_edited_inside_the_manifest_is_refused(tiny, built, tmp_path, capsys):
-    """Its groups' experts in another order ran the compiled groups as the wrong experts, with exit 0."""
-    path = edited_build(built, tmp_path, lambda m: swap_first_experts(m["plan"]))
-    with pytest.raises(ArtifactError, match="plan no longer matches its plan_sha256; it was altered after the build"):
+@pytest.mark.parametrize("edit", [
+    lambda m: swap_first_experts(m["plan"]),  # ran the compiled groups as the wrong experts, with exit 0
+    lambda m: m.update(max_context=32),  # would feed graphs compiled for 16 cache slots 32
+])
+def test_a_plan_or_context_edited_inside_the_manifest_is_refused(tiny, built, tmp_path, capsys, edit):
+    path = edited_build(built, tmp_path, edit)
+    with pytest.raises(ArtifactError, match="plan or max_context no longer matches its build_sha256; it was altered "
+                                            "after the build"):
         npumoe.Engine(npumoe.load(tiny), artifacts=path)
-    assert "plan_sha256" in cli_error(capsys, "generate", "--model", str(tiny), "--artifacts", str(path), "--ids", "1")
+    assert "build_sha256" in cli_error(capsys, "generate", "--model", str(tiny), "--artifacts", str(path), "--ids", "1")
 
 
 def test_a_manifest_from_before_plans_were_bound_is_refused(tiny, built, tmp_path):
-    path = edited_build(built, tmp_path, lambda m: m.pop("plan_sha256"))
-    with pytest.raises(ArtifactError, match="records no plan_sha256 .*rebuild with npumoe build"):
+    path = edited_build(built, tmp_path, lambda m: m.pop("build_sha256"))
+    with pytest.raises(ArtifactError, match="records no build_sha256 .*rebuild with npumoe build"):
         npumoe.Engine(npumoe.load(tiny), artifacts=path)
 
 
@@ -265,22 +268,18 @@ def test_a_manifest_disagreeing_with_its_plan_is_refused(tiny, built, tmp_path, 
         npumoe.Engine(npumoe.load(tiny), artifacts=path)
 
 
-def test_graph_shapes_the_plan_and_model_do_not_give_are_refused(tiny, built, tmp_path):
-    """max_context is covered by no hash: a manifest edited to say 32 would feed a 16-slot graph 32 slots."""
+def test_a_build_is_loaded_only_by_the_backend_that_made_it(tiny, built):
     from npumoe.backends.cpu.backend import CpuBackend
     from npumoe.core.compiler.artifacts import load_executors
     from npumoe.core.compiler.program import build_program
 
-    model = npumoe.load(tiny)
-    program = build_program(model.spec, chunk=4, max_context=32, plan=npumoe.Plan.load(built / "plan.json"))
-    npu = [g for g in program.graphs.values() if g.placement == "npu"]
-    path = edited_build(built, tmp_path, lambda m: m.update(max_context=32))
-    with pytest.raises(ArtifactError, match=r"records graph \S+'s inputs as .*but this model and plan give"):
-        load_executors(CpuBackend(), path, npu, model.weights, model)
-
     class OtherNpu(CpuBackend):
         name = "other"
 
+    model = npumoe.load(tiny)
+    program = build_program(model.spec, chunk=4, max_context=16, plan=npumoe.Plan.load(built / "plan.json"))
+    npu = [g for g in program.graphs.values() if g.placement == "npu"]
+    assert load_executors(CpuBackend(), built / "build", npu, model.weights, model)
     with pytest.raises(ArtifactError, match="holds a build for cpu, which other cannot load; pass --target cpu"):
         load_executors(OtherNpu(), built / "build", npu, model.weights, model)
 

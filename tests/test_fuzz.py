@@ -29,8 +29,7 @@ import npumoe
 from npumoe.backends.cpu.backend import CpuBackend
 from npumoe.cli import main
 from npumoe.core.base.errors import NpumoeError
-from npumoe.core.base.io import sha256_json
-from npumoe.core.compiler.artifacts import MANIFEST, build, load_executors
+from npumoe.core.compiler.artifacts import MANIFEST, build, build_digest, load_executors
 from npumoe.core.compiler.program import build_program
 
 # -- profiles ---------------------------------------------------------------------------------------
@@ -315,15 +314,15 @@ CAPACITY = ("plan", "layers", "1", "groups", 0, "shapes")  # layer 1's first gro
 @example(edits=[(("graphs", "L1.experts.g0.p2", "files"), None)], resign=False)  # TypeError loading it (long run)
 @example(edits=[(("graphs", "L0.experts.g0.d"), "\x00")], resign=False)  # ValueError checking it as a path (long run)
 def test_fuzzed_manifest_is_refused_or_runs(artifacts, built, reference, tmp_path, edits, resign):
-    """``resign``: the edited plan's sha256 recorded too, as a buggy writer would, so the checks behind the hash
-    are fuzzed as well. The artifacts record the plan and chunk they run with: a run of a manifest that is not
-    refused gives their numbers; a re-signed plan may be another valid one (spill becoming drop), so there
-    only the contract's shape and finiteness hold."""
+    """``resign``: the edited plan's and context's sha256 recorded too, as a buggy writer would, so the checks
+    behind the hash are fuzzed as well. The artifacts record the plan and chunk they run with: a run of a
+    manifest that is not refused gives their numbers; a re-signed plan may be another valid one (spill
+    becoming drop), so there only the contract's shape and finiteness hold."""
     manifest, model, graphs = built
     out = fresh_copy(artifacts, tmp_path, keep=(MANIFEST,))
     edited = edited_manifest(manifest, edits)
-    if resign and "plan" in edited:
-        edited["plan_sha256"] = sha256_json(edited["plan"])
+    if resign and {"plan", "max_context"} <= edited.keys():
+        edited["build_sha256"] = build_digest(edited)
     (out / MANIFEST).write_text(json.dumps(edited))
     expect_typed_error_or_finite(lambda: run_artifacts(model, graphs, out), (len(IDS), VOCAB),
                                  None if resign else reference)

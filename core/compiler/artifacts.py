@@ -2,10 +2,11 @@
 
 An artifact directory holds whatever the backend wrote for each NPU-placed graph plus
 ``manifest.json``: target, backend details, the model and weights fingerprints, the plan, every graph's
-inputs and outputs, and the sha256 of every file and of the plan. The plan is bound like the files: the
-graphs hold its experts in its order, so a plan edited in the manifest would run them as other experts.
-What no hash covers (chunk, context, the graphs' shapes) is checked against the plan and the model before
-anything runs. Building happens in a temporary
+inputs and outputs, and the sha256 of every file and of what the graphs were compiled from (the plan and
+the context length): the graphs hold the plan's experts in its order and caches of that length, so a plan
+or context edited in the manifest would run them as other experts or feed them other shapes. The rest
+a run reads (chunk, target, each graph's size and files) is checked against them before use. Building
+happens in a temporary
 sibling directory that replaces the destination only when complete, so a failed or
 interrupted build never leaves a half-written artifact behind; the destination must be new or
 an earlier artifact directory (:mod:`npumoe.core.base.outputs`). Every path a manifest names must lie
@@ -84,7 +85,6 @@ def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512,
             "chunk": plan.chunk,
             "max_context": max_context,
             "plan": plan.to_json(),
-            "plan_sha256": sha256_json(plan.to_json()),
             "layers": sorted(layers) if layers is not None else None,  # a partial build when set
             "graphs": {g.name: {**io_description(g), **entries[g.name], "bytes": _bytes(staging, entries[g.name])}
                        for g in npu_graphs},
@@ -92,6 +92,7 @@ def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512,
                 str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()
             },
         }
+        manifest["build_sha256"] = build_digest(manifest)
         atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
 
@@ -110,7 +111,7 @@ def read_manifest(out_dir: str | Path, verify: bool = True) -> dict:
     _check_paths_inside(out_dir, [*(files if isinstance(files, dict) else {}),
                                   *_strings(graphs if isinstance(graphs, dict) else {})])
     _check_fields(out_dir, manifest)
-    _check_plan(out_dir, manifest)
+    _check_bound(out_dir, manifest)
     if verify:
         for rel, digest in track(manifest["files"].items(), f"verifying {out_dir}", "files"):
             path = out_dir / rel
@@ -154,16 +155,21 @@ def _check_fields(out_dir: Path, manifest: dict) -> None:
             raise ArtifactError(f"{out_dir / MANIFEST} {got}; the manifest was altered, rebuild with npumoe build.")
 
 
-def _check_plan(out_dir: Path, manifest: dict) -> None:
-    """Refuse a manifest whose plan is not the one it was built from (its sha256), or whose chunk or target
-    disagrees with that plan."""
+def build_digest(manifest: dict) -> str:
+    """The sha256 of what a build's graphs were compiled from: its plan and context length."""
+    return sha256_json({"plan": manifest["plan"], "max_context": manifest["max_context"]})
+
+
+def _check_bound(out_dir: Path, manifest: dict) -> None:
+    """Refuse a manifest whose plan or context length is not what its graphs were compiled from (its
+    build_sha256), or whose chunk or target disagrees with that plan."""
     where = out_dir / MANIFEST
-    if "plan_sha256" not in manifest:
-        raise ArtifactError(f"{where} records no plan_sha256 (built before plans were bound to their artifacts); "
+    if "build_sha256" not in manifest:
+        raise ArtifactError(f"{where} records no build_sha256 (built before plans were bound to their artifacts); "
                             "rebuild with npumoe build.")
-    if manifest["plan_sha256"] != sha256_json(manifest["plan"]):
-        raise ArtifactError(f"{where}'s plan no longer matches its plan_sha256; it was altered after the build. "
-                            "Rebuild with npumoe build.")
+    if manifest["build_sha256"] != build_digest(manifest):
+        raise ArtifactError(f"{where}'s plan or max_context no longer matches its build_sha256; it was altered after "
+                            "the build. Rebuild with npumoe build.")
     for name in ("chunk", "target"):
         if manifest[name] != manifest["plan"].get(name):
             raise ArtifactError(f"{where} holds {name} {manifest[name]!r:.30} but its plan's is "
@@ -223,23 +229,20 @@ def executor_loaders(backend, out_dir: str | Path, graphs: list[Graph], weights,
     if missing:
         raise ArtifactError(f"{out_dir} has no compiled graph {missing[0]!r}; it was built from another plan.")
     entries = {g.name: manifest["graphs"][g.name] for g in graphs}
-    for g in graphs:
-        _check_described(out_dir, g, entries[g.name])
+    for name, entry in entries.items():
+        _check_entry(out_dir, name, entry)
     loaders = {g.name: functools.partial(backend.load, Lowered.from_entry(entries[g.name]), Path(out_dir), g, weights)
                for g in graphs}
     return loaders, {name: entry.get("bytes", 0) for name, entry in entries.items()}
 
 
-def _check_described(out_dir, graph: Graph, entry: dict) -> None:
-    """Refuse a compiled graph whose recorded kind, layer or shapes are not those the model and plan give it
-    (an edited max_context, say): it would fail inside the toolchain, or read its inputs wrongly."""
+def _check_entry(out_dir, name: str, entry: dict) -> None:
+    """Refuse a graph entry whose size or file list is not one: the residency budget adds up the one, and the
+    backend's loader opens the other."""
     def altered(what: str) -> ArtifactError:
-        return ArtifactError(f"{Path(out_dir) / MANIFEST} records graph {graph.name}'s {what}; the manifest was "
-                             "altered, rebuild with npumoe build.")
+        return ArtifactError(f"{Path(out_dir) / MANIFEST} records graph {name}'s {what}; the manifest was altered, "
+                             "rebuild with npumoe build.")
 
-    for key, wanted in io_description(graph).items():
-        if entry.get(key) != wanted:
-            raise altered(f"{key} as {entry.get(key)!r:.60}, but this model and plan give {wanted!r:.60}")
     if not _whole(entry.get("bytes", 0), 0):
         raise altered(f"size as {entry['bytes']!r:.30} bytes")
     files = entry.get("files", [])

@@ -6,11 +6,11 @@ No coremltools import needed: the planner reads this without the toolchain insta
 
 from npumoe.backends.apple_ane import rules
 from npumoe.core.ir.backend import (
+    FP16_CONFORMANCE,
     UNPUBLISHED_LAUNCH,
     BackendPlugin,
     BuildOption,
     Capabilities,
-    Conformance,
     Device,
     Published,
 )
@@ -84,8 +84,7 @@ PUBLISHED = (
 PLUGIN = BackendPlugin(
     name="ane", caps=ANE_CAPS, factory="npumoe.backends.apple_ane.backend:AneBackend", extra="ane",
     summary="Apple Neural Engine through Core ML (or ExecuTorch); runs here in npumoe's MIL interpreter",
-    # fp16 between ops: npumoe conformance measured at most 2.1e-3 relative error on the demo's graphs
-    conformance=Conformance(min_cosine=0.9999, max_relative_error=5e-3),
+    conformance=FP16_CONFORMANCE,
     devices=DEVICES, published=PUBLISHED, weight_bits="npumoe.backends.apple_ane.compress:weight_bits",
     shares_weights=True,  # a package's functions (a layer's prefill and decode graphs) store their weights once
     commands={"lint": "npumoe.backends.apple_ane.lint:lint_command"},

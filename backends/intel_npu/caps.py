@@ -1,6 +1,6 @@
 """Intel's NPU (Core Ultra) through OpenVINO, as the registry knows it. No OpenVINO import needed."""
 
-from npumoe.core.ir.backend import BackendPlugin, BuildOption, Capabilities, Conformance
+from npumoe.core.ir.backend import FP16_CONFORMANCE, BackendPlugin, BuildOption, Capabilities
 from npumoe.core.ir.graph import OPS
 
 NPU_DOCS = "docs.openvino.ai/2026/openvino-workflow/running-inference/inference-devices-and-modes/npu-device.html"
@@ -24,6 +24,5 @@ PLUGIN = BackendPlugin(
     name="intel_npu", caps=INTEL_NPU_CAPS, factory="npumoe.backends.intel_npu.backend:IntelNpuBackend", extra="intel",
     summary="Intel NPU (Core Ultra) through OpenVINO IR; runs here on OpenVINO's CPU device when no NPU is present",
     options=(BuildOption("device", "OpenVINO device to compile for: NPU (default when present), CPU or AUTO"),),
-    # fp16 on the device; on the CPU stand-in only the fp16 weights differ: conformance measured <= 4.2e-4
-    conformance=Conformance(min_cosine=0.9999, max_relative_error=5e-3),
+    conformance=FP16_CONFORMANCE,  # fp16 on the device; on the CPU stand-in only the fp16 weights differ
 )

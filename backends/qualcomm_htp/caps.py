@@ -1,11 +1,11 @@
 """What the planner may assume about the Hexagon NPU (HTP). No toolchain import needed."""
 
 from npumoe.core.ir.backend import (
+    FP16_CONFORMANCE,
     UNPUBLISHED_LAUNCH,
     BackendPlugin,
     BuildOption,
     Capabilities,
-    Conformance,
     Device,
     Published,
 )
@@ -71,8 +71,7 @@ PUBLISHED = (
 PLUGIN = BackendPlugin(
     name="htp", caps=HTP_CAPS, factory="npumoe.backends.qualcomm_htp.backend:HtpBackend", extra="htp",
     summary="Qualcomm Hexagon NPU through QNN (ONNX Runtime's QNN EP or ExecuTorch); runs here on QNN's x86_64 HTP",
-    # fp16 between ops: npumoe conformance measured at most 2.1e-3 relative error on the demo's graphs
-    conformance=Conformance(min_cosine=0.9999, max_relative_error=5e-3),
+    conformance=FP16_CONFORMANCE,
     devices=DEVICES, published=PUBLISHED, weight_bits="npumoe.backends.qualcomm_htp.quantize:weight_bits",
     commands={"hub": "npumoe.backends.qualcomm_htp.hub:hub_command"},
     command_help={"hub": "Compile or profile HTP graphs on Qualcomm AI Hub devices."},

@@ -17,7 +17,7 @@ import os
 import numpy as np
 
 from npumoe.core.base.errors import BackendUnavailableError, InputError
-from npumoe.luts import build, spec
+from npumoe.luts import build, spec, tuning
 from npumoe.luts.layout import ROWS, NativeWeight, TiledWeight
 
 PREFERENCE = ("avx512", "avx2", "neon", "portable")
@@ -103,6 +103,7 @@ _SIGNATURES = {
     "npumoe_bf16_gemm_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
     "npumoe_bf16_dot_gemm_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
     "npumoe_lut_gemv_many": ([ctypes.POINTER(LutTask), _I, _I, _I], ctypes.c_int),
+    "npumoe_lut_set_prefetch": ([_I], ctypes.c_int),
     "npumoe_swiglu_experts": ([ctypes.POINTER(ctypes.POINTER(Swiglu)), _P, _I, _P, _P, _I], ctypes.c_int),
     "npumoe_route_softmax": ([_P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _I], None),
     "npumoe_moe_decode": ([ctypes.POINTER(MoE), _P, _P, _P, _P, _P, ctypes.POINTER(ctypes.c_double), _I], ctypes.c_int),
@@ -144,7 +145,7 @@ def kernels(isa: str | None = None) -> LutKernels:
     if isa == "auto":
         for candidate in available()[:-1]:
             try:
-                return LutKernels(candidate, NativeCalls(_load(candidate)))
+                return LutKernels(candidate, _tuned_calls(candidate))
             except BackendUnavailableError:
                 continue
         isa = "portable"
@@ -153,7 +154,17 @@ def kernels(isa: str | None = None) -> LutKernels:
     if isa not in available():
         raise BackendUnavailableError(f"the {isa} LUT kernel needs {NEEDS[isa]}, which this CPU lacks; use auto "
                                       f"or one of {', '.join(available())}.")
-    return LutKernels(isa, NativeCalls(_load(isa)))
+    return LutKernels(isa, _tuned_calls(isa))
+
+
+@functools.cache
+def _tuned_calls(isa: str) -> NativeCalls:
+    """The library's calls with its prefetch distance set for this machine (:mod:`npumoe.luts.tuning`; the portable
+    kernel prefetches nothing)."""
+    calls = NativeCalls(_load(isa))
+    if isa != "portable":
+        calls.tuning = tuning.tune(isa, build.library(isa), calls, default_threads())
+    return calls
 
 
 _FLOAT32 = np.dtype(np.float32)
@@ -178,6 +189,8 @@ class NativeCalls:
 
     A weight goes over as its :attr:`TiledWeight.native` struct (checked when first built).
     """
+
+    tuning: tuning.Tuning | None = None  # the prefetch distance set, and how it was chosen
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib
@@ -256,6 +269,10 @@ class NativeCalls:
         if status == -1:
             raise MemoryError("the int8 GEMM could not allocate its quantised activations")
         return status == 0
+
+    def set_prefetch(self, far_bytes: int) -> int:
+        """Bytes ahead the GEMV prefetches into L2 from now on; returns the distance set (whole cache lines)."""
+        return self.lib.npumoe_lut_set_prefetch(far_bytes)
 
     def stream_read(self, buf, threads, prefetch) -> int:
         return self.lib.npumoe_stream_read(_ptr(buf), buf.nbytes, threads, prefetch)

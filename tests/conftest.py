@@ -1,7 +1,11 @@
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared harness modules beside the tests
+# The LUT kernels' prefetch distance is set, not measured at first use (a sweep of up to 256 MB per kernel build and
+# process; tests/test_luts_tuning.py measures it): it changes no result, only speed
+os.environ.setdefault("NPUMOE_LUT_PREFETCH", "12288")
 
 import pytest  # noqa: E402
 

@@ -51,6 +51,12 @@ static const lut_isa ISA =
 
 NPUMOE_API const char *npumoe_lut_isa(void) { return ISA.name; }
 
+int lut_prefetch_far = LUT_PREFETCH_FAR;
+
+NPUMOE_API int npumoe_lut_set_prefetch(int far_bytes) {
+    return lut_prefetch_far = far_bytes < 128 ? 128 : far_bytes & ~63;
+}
+
 /* Bit 0: AVX2+FMA+F16C; bit 1: AVX-512 F/BW/VL/DQ + VBMI + VNNI; bit 2: NEON. */
 NPUMOE_API unsigned npumoe_cpu_features(void) {
     unsigned f = 0;

@@ -16,23 +16,23 @@
 #define LUT_TILE_BYTES 64
 #define LUT_TILE_BYTE(r, p) (16 * (p) + (r)) /* row r's byte position p in a plane: runs 8t+p | 8t+4+p (layout.py) */
 #define LUT_MAX_THREADS 64
-/* The GEMV requests every weight cache line twice: into L2 12 KB ahead (hardware prefetchers stop at
- * 4 KB pages, and a compute-heavy loop keeps too few misses in flight on its own), then into L1
- * 6 KB ahead (an L2 hit still stalls the loop). Only the second goes to L1: each byte is used
- * once, and lines brought in far ahead would evict the tables and tiles in use. A third request
- * between the two (for prefetches the memory system drops when its queues are full) cost more
- * instructions than it brought. 12 KB is about twice DRAM's latency at one core's read rate: lines
- * further ahead only hold the miss queues (32 KB, tuned on Zen 4, was too far on a Zen 5 VM), and
- * nearer measured worse at int2. Measurements: docs/performance.md, "LUT-GEMV prefetch". */
+/* The GEMV requests every weight cache line twice: into L2 far ahead (hardware prefetchers stop at 4 KB pages, and a
+ * compute-heavy loop keeps too few misses in flight on its own), then into L1 half as far (an L2 hit still stalls the
+ * loop). Only the second goes to L1: each byte is used once, and lines brought in far ahead would evict the tables
+ * and tiles in use. A third request between the two (for prefetches the memory system drops when its queues are
+ * full) cost more instructions than it brought. The best distance is about twice DRAM's latency at one core's read
+ * rate and differs from machine to machine (32 KB, tuned on Zen 4, was too far on a Zen 5 VM), so it is measured at
+ * first use (luts/tuning.py) and set here; LUT_PREFETCH_FAR until then. Measurements: docs/performance.md,
+ * "LUT-GEMV prefetch". */
 #define LUT_PREFETCH_FAR 12288
-#define LUT_PREFETCH_L1 6144
+extern int lut_prefetch_far;
 /* Scales and zeros (elements ahead; a row block's group is 16 of each): 2 KB and 1 KB, as far ahead
  * in time as 16 KB of weights at 2 bits. A quarter of that cost int2 bandwidth; anywhere from half to
  * twice it measures alike (docs/performance.md, "LUT-GEMV prefetch"). */
 #define LUT_PREFETCH_PARAMS 1024
-#define lut_prefetch_line(p)                                           \
-    (__builtin_prefetch((const char *)(p) + LUT_PREFETCH_FAR, 0, 2), \
-     __builtin_prefetch((const char *)(p) + LUT_PREFETCH_L1, 0, 3))
+#define lut_prefetch_line(p)                                            \
+    (__builtin_prefetch((const char *)(p) + lut_prefetch_far, 0, 2), \
+     __builtin_prefetch((const char *)(p) + (lut_prefetch_far >> 1), 0, 3))
 
 #if defined(_WIN32)
 #define NPUMOE_API __declspec(dllexport)
@@ -97,6 +97,9 @@ typedef struct {
     const float *x; /* [k] */
     float *y;       /* [row_blocks*16] */
 } npumoe_lut_task;
+/* Sets lut_prefetch_far for every later call: bytes, rounded down to a cache line, at least two. Returns the
+ * distance set. */
+NPUMOE_API int npumoe_lut_set_prefetch(int far_bytes);
 NPUMOE_API int npumoe_lut_gemv_many(const npumoe_lut_task *tasks, int count, int table_bits, int threads);
 
 typedef struct { /* W [n][k] bf16, x [m][k] and y [m][n] fp32, all row-major */

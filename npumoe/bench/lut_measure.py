@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import asdict
 
 import numpy as np
 import torch
 
-from npumoe.luts import layout, spec
+from npumoe.luts import build, layout, spec, tuning
 from npumoe.luts.kernels import default_threads, kernels
 from npumoe.luts.torch_op import lut_product
 
@@ -115,7 +116,10 @@ def run(n: int, k: int, group: int, repeats: int, kernel: str | None, rotate_byt
     stream_buf = np.ones(STREAM_BYTES // 8, np.uint64)
     x_t, xs_t = torch.from_numpy(x), torch.from_numpy(xs)
     y_t = torch.empty(n)  # the fp32 GEMVs' output buffer, like the LUT-GEMV's
-    result = {"shape": [n, k], "group": group, "kernel": lut.isa, "load_before": os.getloadavg(), "threads": {}}
+    load_before = os.getloadavg()
+    chosen = tuning.retune(lut.isa, build.library(lut.isa), lut.calls, default_threads())
+    result = {"shape": [n, k], "group": group, "kernel": lut.isa, "load_before": load_before,
+              "prefetch": asdict(chosen), "threads": {}}
     previous_threads = torch.get_num_threads()
     try:
         for threads in sorted({1, default_threads()}):

@@ -113,6 +113,7 @@ BENCHMARKS = {
     "cpu": ("npumoe.bench.cpu:bench_cpu_command", "npumoe's CPU path against llama.cpp."),
     "prefetch": ("npumoe.bench.prefetch:bench_prefetch_command", "Decode routing predictor: recall and time saved."),
     "mlx": ("npumoe.bench.mlx:bench_mlx_command", "npumoe's mlx target against mlx-lm."),
+    "dtype": ("npumoe.bench.dtype:bench_dtype_command", "The default compute dtype's logits against fp32."),
 }
 
 

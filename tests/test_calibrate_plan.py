@@ -314,3 +314,32 @@ def test_graphs_a_target_cannot_take_go_to_the_cpu_with_the_reason(model, profil
     assert Plan.from_json(json.loads(json.dumps(p.to_json()))).cpu_graphs == p.cpu_graphs
     ids = np.asarray(model.tokenizer.encode("def add(a, b):\n    return a + b\n"))
     np.testing.assert_allclose(npumoe.Engine(model, plan=p).forward(ids), npumoe.Engine(model).forward(ids), atol=1e-4)
+
+
+def test_decode_graphs_per_layer_are_capped_by_widening_the_most_cut_groups(model, profile, monkeypatch):
+    """A byte-bound device cuts groups into one-expert decode graphs; the cap widens the most-cut groups (doubling
+    their experts per graph) until a layer has no more graphs than it allows, or one a group; every expert stays in
+    exactly one decode graph."""
+    import dataclasses
+
+    from npumoe.core.planning import plan as plan_module
+
+    real = plan_module.capabilities
+    byte_bound = lambda target: real(target) if target == "cpu" else dataclasses.replace(  # noqa: E731
+        real(target), dispatch_seconds=0.0, weight_bytes_per_second=1e9)
+    monkeypatch.setattr(plan_module, "capabilities", byte_bound)
+    free = plan(model, profile, target="ane", residency="npu", decode_graphs_per_layer=1000)
+    capped = plan(model, profile, target="ane", residency="npu", decode_graphs_per_layer=3)
+
+    def graphs(lp):
+        return sum(len(g.decode_parts()) for g in lp.groups if g.shapes)
+
+    assert max(graphs(lp) for lp in free.layers.values()) > 3  # the cap has something to do
+    for i, lp in capped.layers.items():
+        npu = [g for g in lp.groups if g.shapes]
+        assert graphs(lp) <= max(3, len(npu))
+        assert sorted(e for g in npu for part in g.decode_parts() for e in part) == sorted(e for g in npu
+                                                                                           for e in g.experts)
+        assert lp.predicted["decode_launches"] <= free.layers[i].predicted["decode_launches"] + 1e-9
+    with pytest.raises(InputError, match="decode graphs per layer"):
+        plan(model, profile, target="ane", decode_graphs_per_layer=0)

@@ -43,7 +43,7 @@ from npumoe.core.ir.backend import Capabilities, capabilities, plugin
 from npumoe.core.ir.identity import check_weights
 from npumoe.core.ir.spec import ModelSpec
 from npumoe.core.ir.weights import expected_shapes, mlp_shapes
-from npumoe.core.planning import GRAPHS_PER_LAYER, METHODS, OVERFLOW_POLICIES, RESIDENCY
+from npumoe.core.planning import DECODE_GRAPHS_PER_LAYER, GRAPHS_PER_LAYER, METHODS, OVERFLOW_POLICIES, RESIDENCY
 from npumoe.core.planning.profile import RoutingProfile, imbalance
 
 MAX_GROUP_EXPERTS = 16
@@ -433,6 +433,21 @@ def decode_graph_experts(hit: np.ndarray, top_k: int, per_expert_bytes: int, cap
     return min(sizes, key=seconds)  # (the largest of equals: fewer graphs to build)
 
 
+def cap_decode_graphs(groups: list[GroupPlan], cap: int) -> None:
+    """Widen the decode graphs of the groups cut into the most until the layer has at most ``cap`` of them (or
+    every group is one graph): each step doubles one group's experts per graph, as the sizes the cost model chose
+    among are powers of two."""
+    def parts(g: GroupPlan) -> int:
+        return len(g.decode_parts()) if g.shapes else 0
+
+    while sum(map(parts, groups)) > cap:
+        widest = max(groups, key=parts)
+        if parts(widest) <= 1:
+            return
+        wider = 2 * widest.decode_experts
+        widest.decode_experts = 0 if wider >= len(widest.experts) else wider
+
+
 def decode_figures(hit: np.ndarray, top_k: int, groups: list[GroupPlan], per_expert_bytes: int) -> dict[str, float]:
     """Expected per decode token for one layer: NPU launches, and weight bytes read — NPU graphs whole,
     CPU-resident experts only when hit."""
@@ -487,16 +502,20 @@ def predict(loads: np.ndarray, groups: list[GroupPlan], overflow_cost: float) ->
 
 
 def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "spill", residency: str = "auto",
-         method: str = "optimal", max_overflow: float = 0.10, graphs_per_layer: int = GRAPHS_PER_LAYER) -> Plan:
+         method: str = "optimal", max_overflow: float = 0.10, graphs_per_layer: int = GRAPHS_PER_LAYER,
+         decode_graphs_per_layer: int = DECODE_GRAPHS_PER_LAYER) -> Plan:
     """Make a Plan for ``model`` on ``target`` from a calibration ``profile``.
 
     ``max_overflow`` and ``graphs_per_layer`` steer the optimiser: a larger spill budget, or more compiled
-    shapes for the runtime to choose from (the layer's groups share them), buy less padding."""
+    shapes for the runtime to choose from (the layer's groups share them), buy less padding.
+    ``decode_graphs_per_layer`` caps a layer's decode graphs (a layer with more NPU groups keeps one each)."""
     spec: ModelSpec = model.spec
     for name, value, allowed in (("overflow", overflow, OVERFLOW_POLICIES), ("residency", residency, RESIDENCY),
                                  ("method", method, METHODS)):
         if value not in allowed:
             raise InputError(f"{name} {value!r} is not one of {', '.join(allowed)}.")
+    if decode_graphs_per_layer < 1:
+        raise InputError(f"decode graphs per layer must be at least 1, not {decode_graphs_per_layer}.")
     profile.check_model(model)
     caps, cpu = capabilities(target), capabilities("cpu")
     cpu_graphs = unsupported_graphs(spec, profile.chunk, target)
@@ -522,6 +541,7 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
             decode = decode_graph_experts(hit[experts], profile.top_k[i], per_expert, caps) if on_npu else 0
             groups.append(GroupPlan(experts, group_shapes.tolist() if on_npu else [], "npu" if on_npu else "cpu",
                                     useful, per_expert * len(experts), 0 if decode == len(experts) else decode))
+        cap_decode_graphs(groups, decode_graphs_per_layer)
         predicted = predict(loads, groups, lam) | decode_figures(hit, profile.top_k[i], groups, per_expert)
         layers[i] = LayerPlan(groups, predicted, lam)
     totals = {k: float(np.mean([lp.predicted[k] for lp in layers.values()]))

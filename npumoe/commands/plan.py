@@ -11,7 +11,7 @@ from npumoe.core.base.errors import InputError
 from npumoe.core.base.io import existing_file
 from npumoe.core.base.outputs import claim
 from npumoe.core.ir.backend import capabilities
-from npumoe.core.planning import GRAPHS_PER_LAYER, METHODS, OVERFLOW_POLICIES, RESIDENCY
+from npumoe.core.planning import DECODE_GRAPHS_PER_LAYER, GRAPHS_PER_LAYER, METHODS, OVERFLOW_POLICIES, RESIDENCY
 
 
 def read_texts(paths: tuple[str, ...]) -> dict[str, str]:
@@ -109,6 +109,10 @@ def print_overlap(console: Console, a, b) -> None:
 @click.option("--graphs-per-layer", default=GRAPHS_PER_LAYER, show_default=True, type=click.IntRange(1),
               help="Compiled NPU expert graphs per layer (optimal method), shared by its groups: each group gets "
                    "several shapes when it can, and the runtime launches the one that fits a chunk's routing.")
+@click.option("--decode-graphs-per-layer", default=DECODE_GRAPHS_PER_LAYER, show_default=True,
+              type=click.IntRange(1), help="At most this many decode graphs per layer: the cost model cuts a group "
+              "into graphs of fewer experts when a launch costs less than reading experts a token did not hit; "
+              "the cap bounds the graphs a build compiles and a device loads.")
 @click.option("--precision", default="fp16", show_default=True,
               help="Weights' precision the build will use (the target's --precision): what the device budget counts.")
 @click.option("--max-context", default=512, show_default=True, type=click.IntRange(1),
@@ -116,7 +120,7 @@ def print_overlap(console: Console, a, b) -> None:
 @click.option("--out", default="plan.json", show_default=True, type=click.Path())
 @click.option("--plot", type=click.Path(), default=None, help="Also draw capacities, groups and residency to a PNG.")
 def plan_command(model_dir, profile_path, target, overflow, residency, method, max_overflow, graphs_per_layer,
-                 precision, max_context, out, plot):
+                 decode_graphs_per_layer, precision, max_context, out, plot):
     """Plan static shapes for a target: expert groups, their capacity shapes, residency, overflow.
 
     Example: npumoe plan --profile profile.json --target ane --residency npu --out plan.json
@@ -131,7 +135,8 @@ def plan_command(model_dir, profile_path, target, overflow, residency, method, m
     weight_bits(target, precision)  # an unknown precision fails before any work
     model = load(model_dir)
     p = plan(model, RoutingProfile.load(profile_path), target=target, overflow=overflow, residency=residency,
-             method=method, max_overflow=max_overflow, graphs_per_layer=graphs_per_layer)
+             method=method, max_overflow=max_overflow, graphs_per_layer=graphs_per_layer,
+             decode_graphs_per_layer=decode_graphs_per_layer)
     p.save(out)
     table = Table("layer", "groups", "padded %", "overflow %", "launches / chunk", "decode launches", "decode MB",
                   caption="groups: experts, rows per shape, residency[, experts per decode graph]")

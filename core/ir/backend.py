@@ -46,7 +46,9 @@ class Executor(Protocol):
 
     ``keeps_state``: the executor holds the KV cache itself (Core ML states, say). The engine then
     passes no ``Role.KV_CACHE`` inputs, only ``Role.POSITION``, and still appends the ``Role.KV_NEW``
-    outputs to its own cache (the reference for every other graph)."""
+    outputs to its own cache (the reference for every other graph). Such an executor also offers
+    ``read_cache(name, length) -> [heads, length, dim]`` fp32 tensor: the first positions of its layer's cache
+    input ``name`` as its device holds them, which a KV hand-off to another engine reads."""
 
     keeps_state: bool
 

@@ -169,6 +169,32 @@ def test_compare_json_gives_every_target_its_metrics_and_estimates(built, capsys
     assert {c["device"] for c in result["cost_model_check"]} <= {d.name for _, d in devices()}
 
 
+@pytest.mark.skipif(not MLX, reason="the mlx target needs MLX (pip install 'npumoe[mlx]')")
+def test_compare_estimates_ane_prefill_with_gpu_decode_per_mac(built, capsys):
+    """A row per Mac whose ANE and GPU are both built (the iPhones have no GPU record), its request times worked
+    out by hand from the two targets' own estimates, the KV bytes a token caches and the chip's bandwidth."""
+    from npumoe.core.planning.costmodel import devices
+
+    main(["compare", str(built), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    rows, split = result["targets"], result["disaggregated"]
+    assert [r["chip"] for r in split] == ["Apple M2", "Apple M4", "Apple M4 Max"]
+    bandwidth = {d.name: d.dram_gb_s for _, d in devices()}
+    kv_per_token = rows["ane"]["footprint"]["kv_bytes"] / 256  # fp16 K and V of every layer
+    for r in split:
+        ane, gpu = rows["ane"]["estimated"][r["chip"]], rows["mlx"]["estimated"][f"{r['chip']} GPU"]
+        assert (r["prefill"]["target"], r["decode"]["target"]) == ("ane", "mlx") and r["assumptions"]
+        for q in r["requests"]:
+            handoff = q["prompt"] * 3 * kv_per_token / (bandwidth[r["chip"]] * 1e9)
+            seconds = q["prompt"] / ane["prefill_tok_s"] + handoff + q["new"] / gpu["decode_tok_s"]
+            assert q["seconds"] == pytest.approx(seconds) and q["handoff_seconds"] == pytest.approx(handoff)
+            alone = q["prompt"] / ane["prefill_tok_s"] + q["new"] / ane["decode_tok_s"]
+            assert q["speedup"]["ane"] == pytest.approx(alone / seconds)
+    main(["compare", str(built)])
+    out = capsys.readouterr().out
+    assert "disaggregated generation per chip" in out and "assumed: hand-off" in out
+
+
 def test_compare_says_what_each_device_can_hold_of_each_build(built, capsys):
     from npumoe.core.planning.costmodel import devices
 

@@ -164,6 +164,8 @@ class Device:
     max_package_gb: float | None = None  # weights one package (Core ML) or context binary (QNN) may hold
     graph_overhead_mb: float = 0.0  # what each loaded compiled graph (QNN context, Core ML function) costs beyond
     # its weights
+    chip: str | None = None  # the SoC it is part of: devices of one chip (a Mac's ANE and GPU) can split a request,
+    # prefill on one and decode on the other (npumoe compare's disaggregated rows)
 
     def source(self, field: str) -> str:
         return dict(self.sources)[field]

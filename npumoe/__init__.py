@@ -4,6 +4,7 @@
     eng = npumoe.Engine(m)          # plan=..., backend="htp"|"ane", artifacts=...
     eng.forward(ids)                # -> np.ndarray[T, vocab] fp32 logits
     eng.generate(ids, max_new_tokens=16)  # -> np.ndarray of the new ids only
+    npumoe.DisaggregatedEngine(m, "ane", "mlx", artifacts=build)  # prefill there, decode here, KV handed over once
 
     profile = npumoe.calibrate(m, texts, chunk=256)       # how the experts are really used
     p = npumoe.plan(m, profile, target="htp", overflow="spill")
@@ -24,6 +25,7 @@ from npumoe.core.base.errors import (
 
 # imported on first use (PEP 562): `import npumoe.cli` must not import torch just to print `npumoe --help`
 _LAZY = {
+    "DisaggregatedEngine": "npumoe.core.runtime.disaggregated",
     "Engine": "npumoe.core.runtime.engine",
     "Model": "npumoe.models.loader",
     "Plan": "npumoe.core.planning.plan",
@@ -33,7 +35,7 @@ _LAZY = {
     "plan": "npumoe.core.planning.plan",
 }
 
-__all__ = ["Engine", "Model", "Plan", "RoutingProfile", "calibrate", "load", "plan",
+__all__ = ["DisaggregatedEngine", "Engine", "Model", "Plan", "RoutingProfile", "calibrate", "load", "plan",
            "NpumoeError", "ArtifactError", "BackendUnavailableError", "InputError", "ModelDirError", "NumericError",
            "UnsupportedModelError", "WeightError"]
 

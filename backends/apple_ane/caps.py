@@ -49,7 +49,7 @@ def apple(name: str, platform: str, npu_tops: float, dram_gb_s: float, ram_gb: f
     share = (0.5, IPHONE_SHARE) if platform == "ios" else (0.75, MAC_SHARE)
     return Device(name, npu_tops, dram_gb_s, 200.0, (*sources, *PACKAGE_SOURCES, ("app_share", share[1])),
                   ram_gb=ram_gb, app_share=share[0], max_package_gb=rules.MAX_PACKAGE_BYTES[platform] / 1e9,
-                  graph_overhead_mb=1.0)
+                  graph_overhead_mb=1.0, chip=name)
 
 
 DEVICES = (

@@ -5,7 +5,8 @@ Both take and return the IR graph's named tensors (``h``, ``z``, ``k_new``, ``v_
 fp32 torch to fp16 and back. Every graph of one package shares one :class:`PackageRuntime`,
 so the prefill and decode functions of an attention package read and write the same K/V
 states (ANEMLL shares one ``make_state()`` across functions the same way). Such an executor
-``keeps_state``: the engine passes it no ``Role.KV_CACHE`` inputs, only the position.
+``keeps_state``: the engine passes it no ``Role.KV_CACHE`` inputs, only the position; a KV hand-off reads the
+states (``read_cache``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class PackageRuntime:
             self._functions[function] = fn
         return self._functions[function](feed, self.states)
 
+    def read_state(self, name: str) -> np.ndarray:
+        return self.states[name]
+
 
 class CoreMLRuntime:
     """One saved package on the Core ML runtime (macOS), on CPU and Neural Engine."""
@@ -88,6 +92,10 @@ class CoreMLRuntime:
         if self.state is None:
             self.state = model.make_state()
         return model.predict(feed, state=self.state)
+
+    def read_state(self, name: str) -> np.ndarray:
+        """State ``name`` as the functions left it (coremltools' ``MLState.read_state``, macOS)."""
+        return np.asarray(self.state.read_state(name))
 
 
 def runtime_for(path: Path):
@@ -120,3 +128,12 @@ class AneExecutor:
             raw = dict(zip([p for n, spec in self.artifact["function_outputs"].items()
                             for p in output_parts(n, spec)], raw))
         return decode_outputs(self.artifact, raw)
+
+    def read_cache(self, name: str, length: int) -> torch.Tensor:
+        """The first ``length`` positions of this graph's layer in the package's cache state ``name``
+        (:class:`~npumoe.backends.apple_ane.kvstate.KVState`: [layers, heads, length, dim], each padded to a power
+        of two), as the engine's fp32 [heads, length, dim]: what a KV hand-off reads once."""
+        heads, _, dim = self.graph.inputs[name].shape
+        slot = self.artifact["states"]["layers"].index(self.graph.layer)
+        state = self.runtime.read_state(name)[slot, :heads, :length, :dim]
+        return torch.from_numpy(np.asarray(state, dtype=np.float32))

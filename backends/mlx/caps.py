@@ -30,7 +30,7 @@ MEMORY_SOURCES = (
 def mac_gpu(name: str, tflops: float, dram_gb_s: float, ram_gb: float, sources: tuple) -> Device:
     """A Mac's GPU: its own figures, with the RAM of the base Mac that carries the chip."""
     return Device(name, tflops, dram_gb_s, 100.0, (*sources, ("launch_us", LAUNCH_ESTIMATE), *MEMORY_SOURCES),
-                  ram_gb=ram_gb, app_share=0.75)
+                  ram_gb=ram_gb, app_share=0.75, chip=name.removesuffix(" GPU"))
 
 
 DEVICES = (

@@ -46,7 +46,9 @@ class Executor(Protocol):
 
     ``keeps_state``: the executor holds the KV cache itself (Core ML states, say). The engine then
     passes no ``Role.KV_CACHE`` inputs, only ``Role.POSITION``, and still appends the ``Role.KV_NEW``
-    outputs to its own cache (the reference for every other graph)."""
+    outputs to its own cache (the reference for every other graph). Such an executor also offers
+    ``read_cache(name, length) -> [heads, length, dim]`` fp32 tensor: the first positions of its layer's cache
+    input ``name`` as its device holds them, which a KV hand-off to another engine reads."""
 
     keeps_state: bool
 
@@ -166,6 +168,8 @@ class Device:
     max_package_gb: float | None = None  # weights one package (Core ML) or context binary (QNN) may hold
     graph_overhead_mb: float = 0.0  # what each loaded compiled graph (QNN context, Core ML function) costs beyond
     # its weights
+    chip: str | None = None  # the SoC it is part of: devices of one chip (a Mac's ANE and GPU) can split a request,
+    # prefill on one and decode on the other (npumoe compare's disaggregated rows)
 
     def source(self, field: str) -> str:
         return dict(self.sources)[field]

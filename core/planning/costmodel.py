@@ -65,6 +65,53 @@ def devices(target: str | None = None) -> list[tuple[str, Device]]:
     return [(name, device) for name, record in plugins().items() if target in (None, name) for device in record.devices]
 
 
+REQUESTS = (("prefill-heavy", 2048, 128), ("decode-heavy", 128, 1024))  # (label, prompt tokens, new tokens)
+HANDOFF_BYTES = 3  # per fp16 cache byte: read once from the prefill device, written once in fp32 for decode
+SPLIT_ASSUMPTIONS = (
+    "prefill on the chip's device with the most compute (its records' peak ops/s), decode on the one estimated "
+    "to decode fastest",
+    "each phase at its device's estimated tokens/s from this build's own plan for that target (roofline, constant "
+    "with position: attention's growth with context is not modelled)",
+    f"hand-off: the prompt's fp16 KV cache read once and written once in fp32 ({HANDOFF_BYTES} bytes moved per "
+    "cached byte) at the chip's DRAM bandwidth, in series between prefill and decode; both engines' weights "
+    "resident at once (the memory verdicts count one target's)",
+    "a target alone: the same request, prefill and decode on that target's device of the chip",
+)
+
+
+def disaggregated(estimates: dict[str, dict[str, dict]], kv_bytes_per_token: float) -> list[dict]:
+    """Per chip that carries devices of two built targets (``estimates``: target → device name → its
+    ``prefill_tok_s`` and ``decode_tok_s``): the prompt on the device with the most compute (a real model's prefill
+    is compute-bound), decode on the one estimated to decode fastest, where those are different targets; each of
+    :data:`REQUESTS` timed that way and its speed-up over each target alone (below 1 where the split does not pay,
+    as on a model small enough to be launch-bound; the assumptions: :data:`SPLIT_ASSUMPTIONS`)."""
+    by_chip: dict[str, list[tuple[str, Device, dict]]] = {}
+    for target, device in devices():
+        if device.chip and device.name in estimates.get(target, {}):
+            by_chip.setdefault(device.chip, []).append((target, device, estimates[target][device.name]))
+    rows = []
+    for chip, options in by_chip.items():
+        prefill = max(options, key=lambda o: o[1].npu_tops)
+        decode = max(options, key=lambda o: o[2]["decode_tok_s"])
+        if prefill[0] == decode[0]:
+            continue
+        handoff = HANDOFF_BYTES * kv_bytes_per_token / (min(prefill[1].dram_gb_s, decode[1].dram_gb_s) * 1e9)
+        requests = []
+        for label, prompt, new in REQUESTS:
+            split = prompt / prefill[2]["prefill_tok_s"] + prompt * handoff + new / decode[2]["decode_tok_s"]
+            alone = {t: prompt / e["prefill_tok_s"] + new / e["decode_tok_s"] for t, _, e in options}
+            requests.append({"request": label, "prompt": prompt, "new": new, "seconds": split,
+                             "handoff_seconds": prompt * handoff,
+                             "speedup": {t: seconds / split for t, seconds in alone.items()}})
+        rows.append({"chip": chip,
+                     "prefill": {"target": prefill[0], "device": prefill[1].name,
+                                 "tok_s": prefill[2]["prefill_tok_s"]},
+                     "decode": {"target": decode[0], "device": decode[1].name, "tok_s": decode[2]["decode_tok_s"]},
+                     "handoff_seconds_per_token": handoff, "requests": requests,
+                     "assumptions": list(SPLIT_ASSUMPTIONS)})
+    return rows
+
+
 def check_published() -> list[dict]:
     """Each published figure beside the model's estimate for the same workload: estimate / published."""
     rows = []

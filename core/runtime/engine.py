@@ -28,6 +28,7 @@ from npumoe.core.runtime import DEFAULT_CHUNK
 from npumoe.core.runtime.allocator import keep_freed_blocks
 from npumoe.core.runtime.cpu_experts import CpuExperts
 from npumoe.core.runtime.fused import attention_block
+from npumoe.core.runtime.handoff import KVHandoff
 from npumoe.core.runtime.kvcache import DecodeMasks, KVCache, attention_mask
 from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.moe import MoELayer
@@ -163,6 +164,10 @@ class Engine:
     def metrics(self) -> dict:
         return self.metrics_.as_dict()
 
+    def record_spans(self) -> None:
+        """Record a timeline of host steps from now on (``--trace``)."""
+        self.metrics_.spans = []
+
     # -- public API -----------------------------------------------------------------------
     @_inference
     def forward(self, ids) -> np.ndarray:
@@ -182,6 +187,11 @@ class Engine:
 
         With ``return_logits`` also the logits [n, vocab] each new token was picked from."""
         max_new_tokens = whole_number(max_new_tokens, "max_new_tokens", 0)
+        logits = self.prefill_prompt(self.check_generation(ids, max_new_tokens))
+        return self.continue_greedy(logits, max_new_tokens, return_logits)
+
+    def check_generation(self, ids, max_new_tokens: int) -> torch.Tensor:
+        """``ids`` as a tensor, refused unless they and ``max_new_tokens`` more fit this engine's cache and rope."""
         ids = self._check_ids(ids)
         if self.cache.capacity < len(ids) + max_new_tokens:
             raise InputError(
@@ -189,8 +199,18 @@ class Engine:
                 f"length {self.cache.capacity}; shorten the prompt or build with a larger max_context."
             )
         self._check_rope_range(len(ids) + max_new_tokens)
+        return ids
+
+    @_inference
+    def prefill_prompt(self, ids: torch.Tensor) -> torch.Tensor:
+        """A checked prompt (:meth:`check_generation`) into the emptied cache; the logits [vocab] of its last
+        position."""
         with self.metrics_.time("prefill"):
-            logits = self._prefill(ids, keep="last")[-1]
+            return self._prefill(ids, keep="last")[-1]
+
+    @_inference
+    def continue_greedy(self, logits: torch.Tensor, max_new_tokens: int, return_logits: bool = False):
+        """:meth:`generate`'s greedy loop from the sequence in the cache, whose last position gave ``logits``."""
         new: list[int] = []
         seen: list[torch.Tensor] = []
         eos = set(self.spec.eos_token_ids)
@@ -204,6 +224,48 @@ class Engine:
             logits = self._decode(token)
         tokens = np.asarray(new, dtype=np.int64)
         return (tokens, torch.stack(seen).numpy()) if return_logits else tokens
+
+    def export_kv(self) -> KVHandoff:
+        """The sequence in the cache, for another engine to decode from (:meth:`import_kv`): read once from where
+        its keys and values live (an executor that keeps them on its device is asked for them), in fp32."""
+        if self.cache.length == 0:
+            raise InputError("there is no KV cache to hand over: prefill a prompt first.")
+        k, v, sources = [], [], set()
+        for i, step in enumerate(self.program.layers):
+            executor = self.executors[step.attention[self.program.chunk]]
+            if executor.keeps_state:
+                k.append(executor.read_cache("k_cache", self.cache.length))
+                v.append(executor.read_cache("v_cache", self.cache.length))
+                sources.add(f"{type(executor).__name__} state")
+            else:
+                k.append(self.cache.k[i][:, :self.cache.length].clone())
+                v.append(self.cache.v[i][:, :self.cache.length].clone())
+                sources.add("host cache")
+        return KVHandoff(self.spec.fingerprint(), self.model.name, self.cache.length, k, v, ", ".join(sorted(sources)))
+
+    def import_kv(self, handoff: KVHandoff) -> None:
+        """Continue from another engine's sequence (:meth:`export_kv`): its cache written into this one's, once;
+        decode then runs here."""
+        if handoff.model != self.spec.fingerprint():
+            raise InputError(f"the KV cache handed over was filled by {handoff.model_name} (config {handoff.model}), "
+                             f"but this engine runs {self.model.name} (config {self.spec.fingerprint()}); prefill "
+                             "and decode must load the same checkpoint.")
+        if handoff.length > self.cache.capacity:
+            raise InputError(f"the KV cache handed over holds {handoff.length} tokens, but this engine's holds "
+                             f"{self.cache.capacity}; build the decode target with a larger max_context.")
+        self.check_takes_kv()
+        self.cache.reset()
+        for i, (k, v) in enumerate(zip(handoff.k, handoff.v)):
+            self.cache.write(i, k, v, 0, handoff.length)
+        self.cache.length = handoff.length
+
+    def check_takes_kv(self) -> None:
+        """Refuse to decode from a handed-over cache where the decode graphs keep theirs on the device."""
+        for step in self.program.layers:
+            if self.executors[step.attention[1]].keeps_state:
+                raise InputError(f"graph {step.attention[1]} keeps its KV cache on its device, where a handed-over "
+                                 "cache is not written; decode on a target whose attention takes the cache as "
+                                 "inputs (mlx, cpu).")
 
     @_inference
     def decode(self, token: int) -> np.ndarray:

@@ -17,6 +17,7 @@ from npumoe.core.planning.costmodel import (
     budget_lines,
     check_published,
     devices,
+    disaggregated,
     estimate,
     verdicts,
 )
@@ -24,9 +25,11 @@ from npumoe.core.planning.plan import Plan
 
 
 def compare(out_dir) -> dict:
-    """``{"model", "targets": {target: row}, "devices", "cost_model_check"}``; each row holds at least cosine,
-    top1_agreement, greedy_match, padded_pct, spilled_pct, dropped_pct, npu_launches_per_chunk,
-    artifact_bytes and ``estimated`` (device → prefill_tok_s, decode_tok_s)."""
+    """``{"model", "targets": {target: row}, "disaggregated", "devices", "cost_model_check"}``; each row holds at
+    least cosine, top1_agreement, greedy_match, padded_pct, spilled_pct, dropped_pct, npu_launches_per_chunk,
+    artifact_bytes and ``estimated`` (device → prefill_tok_s, decode_tok_s); ``disaggregated``: per chip two built
+    targets share, prefill on one and decode on the other, estimated (:func:`~npumoe.core.planning.costmodel.
+    disaggregated`)."""
     out_dir = Path(out_dir)
     if not (out_dir / MANIFEST).is_file():
         raise InputError(f"{out_dir} holds no manifest.json; compare takes the --out of npumoe build --targets.")
@@ -37,10 +40,13 @@ def compare(out_dir) -> dict:
     rows = {}
     for target, entry in manifest["targets"].items():
         rows[target] = _row(out_dir, manifest, target, entry)
+    cached = [r["footprint"]["kv_bytes"] / r["footprint"]["max_context"] for r in rows.values() if "footprint" in r]
+    split = disaggregated({t: r["estimated"] for t, r in rows.items()}, cached[0]) if cached else []
     return {"model": manifest["model_name"], "heldout_tokens": manifest["heldout_tokens"], "targets": rows,
+            "disaggregated": split,
             "devices": [{"name": d.name, "npu": target, "npu_tops": d.npu_tops, "dram_gb_s": d.dram_gb_s,
                          "launch_us": d.launch_us, "ram_gb": d.ram_gb, "app_share": d.app_share,
-                         "max_package_gb": d.max_package_gb, "graph_overhead_mb": d.graph_overhead_mb,
+                         "max_package_gb": d.max_package_gb, "graph_overhead_mb": d.graph_overhead_mb, "chip": d.chip,
                          "sources": dict(d.sources)} for target, d in devices()],
             "cost_model_check": check_published()}
 

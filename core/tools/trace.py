@@ -27,9 +27,11 @@ def device_trace(target: str) -> DeviceTrace | None:
     return plugin_object(record, record.trace)() if record.trace else None
 
 
-def chrome_trace(engine, device: DeviceTrace | None = None) -> dict:
+def chrome_trace(engine, device: DeviceTrace | None = None, device_engine=None) -> dict:
+    """``engine``'s host spans and ``device``'s profile of ``device_engine`` (default: ``engine``; under
+    disaggregated generation, the prefill engine whose target was profiled)."""
     host = [(HOST, op, "host", a, b, {}) for op, a, b in engine.metrics_.spans or []]
-    device_spans, other = device.spans(engine) if device else ([], {})
+    device_spans, other = device.spans(device_engine or engine) if device else ([], {})
     spans = host + device_spans
     origin = min((start for _, _, _, start, _, _ in spans), default=0.0)
     threads = {name: tid for tid, name in enumerate(dict.fromkeys([HOST] + [s[0] for s in device_spans]), 1)}
@@ -45,5 +47,5 @@ def chrome_trace(engine, device: DeviceTrace | None = None) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"kind": KIND, **other}}
 
 
-def write_trace(path: str | Path, engine, device: DeviceTrace | None = None) -> Path:
-    return atomic_write_text(claim(path, TRACE, "--trace"), json.dumps(chrome_trace(engine, device)))
+def write_trace(path: str | Path, engine, device: DeviceTrace | None = None, device_engine=None) -> Path:
+    return atomic_write_text(claim(path, TRACE, "--trace"), json.dumps(chrome_trace(engine, device, device_engine)))

@@ -65,7 +65,7 @@ def measure(engine, tokens: int) -> dict:
                                  f"the {len(ids) + 1}-token prompt; time at most {room}.", param_hint="--tokens")
     token = int(engine.generate(ids, max_new_tokens=1)[0])
     engine.metrics_.reset()
-    engine.metrics_.spans = []
+    engine.record_spans()
     start = time.perf_counter()
     for _ in range(tokens):
         token = int(engine.decode(token).argmax())

@@ -59,6 +59,7 @@ def render(result: dict, console: Console) -> None:
         for device, e in row["estimated"].items():
             estimates.add_row(target, device, f"{e['decode_tok_s']:.1f}", f"{e['prefill_tok_s']:.0f}")
     console.print(estimates)
+    render_split(result.get("disaggregated", []), console)
     for target, row in rows.items():
         if row.get("budget_lines"):
             need = row["footprint"]
@@ -73,3 +74,19 @@ def render(result: dict, console: Console) -> None:
                       f"{c['ratio']:.2f}")
     console.print(check)
     console.print("[dim]each figure's workload assumptions and source: npumoe compare --json (cost_model_check)[/dim]")
+
+
+def render_split(rows: list[dict], console: Console) -> None:
+    """Per chip two built targets share: prefill on one, the KV cache handed over, decode on the other."""
+    if not rows:
+        return
+    table = Table("chip", "prefill → decode", "prompt + new", "seconds", "hand-off ms", "speed-up vs alone",
+                  title="ESTIMATED disaggregated generation per chip (cost model; not measured)")
+    for row in rows:
+        for r in row["requests"]:
+            table.add_row(row["chip"], f"{row['prefill']['target']} → {row['decode']['target']}",
+                          f"{r['prompt']} + {r['new']}", f"{r['seconds']:.3g}", f"{1e3 * r['handoff_seconds']:.3g}",
+                          ", ".join(f"{t} {x:.2f}x" for t, x in r["speedup"].items()))
+    console.print(table)
+    for line in rows[0]["assumptions"]:
+        click.echo(f"  assumed: {line}")

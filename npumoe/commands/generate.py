@@ -51,38 +51,53 @@ def prompt_ids(model, prompt: str | None, ids: str | None) -> list[int]:
                    "layer's attention, its router prefetches the experts it expects. Default: load every graph.")
 @click.option("--trace", "trace_path", default=None, type=click.Path(),
               help="Write a Chrome trace of host steps (and, for htp, the HTP's per-graph profile) here.")
+@click.option("--prefill-on", default=None,
+              help="Disaggregated: run the prompt on this target (e.g. ane, htp; with --decode-on, instead of "
+                   "--target), then hand its KV cache over once.")
+@click.option("--decode-on", default=None,
+              help="Disaggregated: decode on this target (e.g. mlx, cpu) from the cache --prefill-on filled. "
+                   "--artifacts is a build of every non-CPU target named (npumoe build --targets ane,mlx).")
 def generate_command(model_dir, dtype, prompt, ids, max_new_tokens, chunk, max_context, plan_path, target, artifacts,
-                     max_resident_mb, trace_path):
+                     max_resident_mb, trace_path, prefill_on, decode_on):
     """Greedy-generate a continuation, through npumoe's own graphs and host runtime.
 
     \b
     Examples:
       npumoe generate --prompt "import os" -n 40
       npumoe generate --target htp --artifacts build/htp --trace trace.json
+      npumoe generate --artifacts build --prefill-on ane --decode-on mlx --trace trace.json
     """
     import numpy as np
 
     from npumoe.core.planning.plan import Plan
-    from npumoe.core.runtime.engine import Engine
     from npumoe.core.runtime.predictor import RoutingPredictor
     from npumoe.models.loader import load
 
+    split = disaggregation(prefill_on, decode_on, target, plan_path, max_resident_mb)
     profiler = None
     if trace_path:
         from npumoe.core.tools.trace import TRACE, device_trace
 
         claim(trace_path, TRACE, "--trace")
-        profiler = device_trace(target)
+        profiler = device_trace(prefill_on or target)
     model = load(model_dir, dtype=dtype)
     tokens = prompt_ids(model, prompt, ids)
-    plan = Plan.load(plan_path) if plan_path else None
     profile = profiler.backend_options(Path(trace_path)) if profiler else None
     budget = {} if max_resident_mb is None else {"max_resident_bytes": int(max_resident_mb * 1e6),
                                                  "predictor": RoutingPredictor(model)}
-    eng = Engine(model, plan=plan, backend=target, artifacts=artifacts, chunk=chunk, max_context=max_context,
-                 backend_options=profile, **budget)
+    if split:
+        from npumoe.core.runtime.disaggregated import DisaggregatedEngine
+
+        eng = DisaggregatedEngine(model, prefill_on, decode_on, artifacts, chunk=chunk, max_context=max_context,
+                                  prefill_options=profile)
+    else:
+        from npumoe.core.runtime.engine import Engine
+
+        plan = Plan.load(plan_path) if plan_path else None
+        eng = Engine(model, plan=plan, backend=target, artifacts=artifacts, chunk=chunk, max_context=max_context,
+                     backend_options=profile, **budget)
     if trace_path:
-        eng.metrics_.spans = []
+        eng.record_spans()
     start = time.perf_counter()
     new = eng.generate(np.asarray(tokens), max_new_tokens=max_new_tokens)
     seconds = time.perf_counter() - start
@@ -91,8 +106,10 @@ def generate_command(model_dir, dtype, prompt, ids, max_new_tokens, chunk, max_c
     timed = eng.metrics["seconds"]
     steps = len(new) - 1  # the first new token comes from the prefill's logits
     decode = f", decode {timed['decode'] / steps:.3g} s/token ({steps / timed['decode']:.3g} tok/s)" if steps else ""
+    handoff = (f", hand-off {prefill_on} -> {decode_on} {timed['handoff']:.3g} s "
+               f"({eng.metrics['handoff_bytes'] / 1e6:.3g} MB from the {eng.last_handoff.source})") if split else ""
     click.echo(f"[{len(tokens)} prompt + {len(new)} new tokens in {seconds:.2f} s: prefill {timed['prefill']:.3g} s "
-               f"({len(tokens) / timed['prefill']:.3g} tok/s){decode}]", err=True)
+               f"({len(tokens) / timed['prefill']:.3g} tok/s){handoff}{decode}]", err=True)
     if budget:
         m = eng.metrics
         asked = m["executor_hits"] + m["executor_misses"]
@@ -103,7 +120,22 @@ def generate_command(model_dir, dtype, prompt, ids, max_new_tokens, chunk, max_c
     if trace_path:
         from npumoe.core.tools.trace import write_trace
 
-        click.echo(f"wrote {write_trace(trace_path, eng, profiler)}", err=True)
+        click.echo(f"wrote {write_trace(trace_path, eng, profiler, eng.prefill if split else eng)}", err=True)
+
+
+def disaggregation(prefill_on, decode_on, target, plan_path, max_resident_mb) -> bool:
+    """Are --prefill-on and --decode-on given (both, and without the options of a one-target run)?"""
+    if prefill_on is None and decode_on is None:
+        return False
+    if prefill_on is None or decode_on is None:
+        given, missing = ("--prefill-on", "--decode-on") if decode_on is None else ("--decode-on", "--prefill-on")
+        raise InputError(f"{given} needs {missing} too: name where the prompt runs and where decode runs.")
+    for option, value, unset in (("--target", target, "cpu"), ("--plan", plan_path, None),
+                                 ("--max-resident-mb", max_resident_mb, None)):
+        if value != unset:
+            raise InputError(f"{option} applies to a one-target run; with --prefill-on and --decode-on each target "
+                             "runs its own build from --artifacts.")
+    return True
 
 
 def routing_table(spec, recorder) -> Table:

@@ -21,11 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.fx.traceback import preserve_node_meta
 
 from npumoe.core.base.errors import BackendUnavailableError, InputError
 from npumoe.core.base.outputs import OutputKind, claim, json_kind, staged_directory
+from npumoe.core.compiler.interpreter import OP_IMPLS
 from npumoe.core.compiler.program import build_program
-from npumoe.core.ir.backend import ProgramTarget, plugin, plugin_object, plugins
+from npumoe.core.ir.backend import ProgramTarget, RunnerSetup, plugin, plugin_object, plugins
 from npumoe.core.ir.rope import short_context
 from npumoe.core.runtime.engine import DEFAULT_CHUNK, DEFAULT_MAX_CONTEXT
 from npumoe.core.tools import native_runner
@@ -74,7 +76,8 @@ def export(model, target: str, out: str | Path, plan=None, chunk: int | None = N
             raise InputError(f"this plan's overflow policy is {plan.overflow}, but an exported program computes every "
                              "routed pair (spill); make the plan with npumoe plan --overflow spill.")
         chunk = plan.chunk
-    runner = native_runner.runner(target, record.libraries)  # first: a missing compiler is found in seconds
+    setup = plugin_object(plugin(target), record.runner_setup)() if record.runner_setup else RunnerSetup()
+    runner = native_runner.runner(target, record.libraries, setup)  # first: a missing compiler is found in seconds
     program = build_program(model.spec, chunk=chunk or DEFAULT_CHUNK, max_context=context_length(model.spec,
                                                                                                   max_context),
                             plan=plan)
@@ -89,8 +92,8 @@ def export(model, target: str, out: str | Path, plan=None, chunk: int | None = N
     report(f"exporting {model.name}: {model.spec.num_layers} layers, chunk {program.chunk}, context "
            f"{program.max_context}, {'plan for ' + plan.target if plan else 'no plan'}")
     start = time.perf_counter()
-    partitioners = plugin_object(plugin(target), record.partitioners)()
-    data = lower(WholeModel(program, model.weights).eval(), partitioners, constants)
+    impls = plugin_object(plugin(target), record.op_impls) if record.op_impls else OP_IMPLS
+    data = lower(WholeModel(program, model.weights, impls).eval(), plugin_object(plugin(target), record.lower), constants)
     manifest["export_seconds"] = round(time.perf_counter() - start, 1)
     with staged_directory(out) as staging:
         (staging / PROGRAM).write_bytes(data)
@@ -120,11 +123,11 @@ def methods(program, device: str) -> dict:
             "decode": {"inputs": {"token": [1], "start": [1]}, "outputs": logits, "device": device}}
 
 
-def lower(module: WholeModel, partitioners: list, metadata: dict) -> bytes:
-    """The module's two methods through torch.export and ExecuTorch's lowering into one program's bytes: mutable
+def lower(module: WholeModel, target_lower: Callable, metadata: dict) -> bytes:
+    """The module's two methods through torch.export and the target's lowering into one program's bytes: mutable
     buffers shared by name across the methods (the KV cache), constants stored once."""
     try:
-        from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+        from executorch.exir import ExecutorchBackendConfig
         from executorch.exir.passes import MemoryPlanningPass
     except ImportError as err:
         raise BackendUnavailableError(f"npumoe export needs executorch ({err}); install it with "
@@ -138,9 +141,10 @@ def lower(module: WholeModel, partitioners: list, metadata: dict) -> bytes:
         for category in (FutureWarning, DeprecationWarning):
             warnings.filterwarnings("ignore", category=category)
         warnings.filterwarnings("ignore", message="Mutation on a buffer")
-        exported = {name: torch.export.export(Method(module, name), example, strict=False)
-                    for name, example in examples.items()}
-        edge = to_edge_transform_and_lower(exported, partitioner=partitioners, constant_methods=metadata)
+        with preserve_node_meta():  # keeps the expert products' annotation (whole_model.EXPERT_REGION) on the nodes
+            exported = {name: torch.export.export(Method(module, name), example, strict=False)
+                        for name, example in examples.items()}
+        edge = target_lower(exported, metadata)
         config = ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
                                          emit_mutable_buffer_names=True, run_reinplace_pass=True)  # in-place writes
         return edge.to_executorch(config).buffer

@@ -12,12 +12,16 @@ reference's whatever the capacities.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import numpy as np
 import torch
+from torch.fx.traceback import annotate
 
 from npumoe.core.compiler.graphs import experts_graph
 from npumoe.core.compiler.interpreter import OP_IMPLS, evaluate
 from npumoe.core.compiler.program import ExpertGroup, Program
+from npumoe.core.ir.backend import EXPERT_REGION
 from npumoe.core.ir.rope import cos_sin
 from npumoe.core.ir.spec import ModelSpec
 from npumoe.core.ir.weights import expert
@@ -125,8 +129,10 @@ class StaticMoE(torch.nn.Module):
         return experts.reshape(-1), gates.reshape(-1)
 
     def _experts(self, x: torch.Tensor, matrices: dict[str, torch.Tensor]) -> torch.Tensor:
-        """x[E', R, H] through expert e's matrices for each leading index e (matrices stacked to match)."""
-        return evaluate(self.graph, {"x": x}, matrices.__getitem__, EXPERT_OPS)["y"]
+        """x[E', R, H] through expert e's matrices for each leading index e (matrices stacked to match); its nodes are
+        marked as the expert products (a target's lowering may hand its device exactly these)."""
+        with annotate(EXPERT_REGION):
+            return evaluate(self.graph, {"x": x}, matrices.__getitem__, EXPERT_OPS)["y"]
 
     def _pairs(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Row i of x[n, H] through expert ``experts[i]``: its matrices gathered for it."""
@@ -187,10 +193,12 @@ class StaticMoE(torch.nn.Module):
 
 
 class WholeModel(torch.nn.Module):
-    """Embedding, every layer, the final norm and the LM head over a KV cache of ``program.max_context`` slots."""
+    """Embedding, every layer, the final norm and the LM head over a KV cache of ``program.max_context`` slots; the
+    IR's ops run as ``impls`` implements them (default: the reference interpreter's)."""
 
-    def __init__(self, program: Program, weights):
+    def __init__(self, program: Program, weights, impls: Mapping[str, Callable] = OP_IMPLS):
         super().__init__()
+        self.impls = impls
         spec = self.spec = program.spec
         self.program, self.chunk, self.max_context = program, program.chunk, program.max_context
         self.alias = {"lm_head.weight": "embed.weight"} if spec.tie_embeddings else {}
@@ -242,7 +250,7 @@ class WholeModel(torch.nn.Module):
             cos, sin = rope_rows[self.rope_of[i]]
             out = evaluate(self.program.graphs[step.attention[seq]], {
                 "x": x, "cos": cos, "sin": sin, "mask": masks[window], "k_cache": k_cache, "v_cache": v_cache},
-                self.weight)
+                self.weight, self.impls)
             # padding rows repeat the last real row's key and value at its slot, so every write is a real one
             source = torch.minimum(torch.arange(seq), valid - 1)
             k_cache[:, start + source] = out["k_new"].index_select(1, source)
@@ -253,15 +261,15 @@ class WholeModel(torch.nn.Module):
     def _feed_forward(self, i: int, z: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         step, seq = self.program.layers[i], z.shape[0]
         if step.moe is None:
-            return evaluate(self.program.graphs[step.dense[seq]], {"z": z}, self.weight)["y"]
+            return evaluate(self.program.graphs[step.dense[seq]], {"z": z}, self.weight, self.impls)["y"]
         moe = self.moe[str(i)]
         y = moe.decode(z) if seq == 1 else moe.prefill(z, valid)
         if step.moe.shared is not None:
-            y = y + evaluate(self.program.graphs[step.moe.shared[seq]], {"z": z}, self.weight)["y"]
+            y = y + evaluate(self.program.graphs[step.moe.shared[seq]], {"z": z}, self.weight, self.impls)["y"]
         return y
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return evaluate(self.program.graphs[self.program.lm_head[1]], {"x": x}, self.weight)["logits"]
+        return evaluate(self.program.graphs[self.program.lm_head[1]], {"x": x}, self.weight, self.impls)["logits"]
 
 
 class Method(torch.nn.Module):

@@ -1,6 +1,6 @@
 """Intel's NPU (Core Ultra) through OpenVINO, as the registry knows it. No OpenVINO import needed."""
 
-from npumoe.core.ir.backend import BackendPlugin, BuildOption, Capabilities, Conformance
+from npumoe.core.ir.backend import BackendPlugin, BuildOption, Capabilities, Conformance, ProgramTarget
 from npumoe.core.ir.graph import OPS
 
 NPU_DOCS = "docs.openvino.ai/2026/openvino-workflow/running-inference/inference-devices-and-modes/npu-device.html"
@@ -26,4 +26,7 @@ PLUGIN = BackendPlugin(
     options=(BuildOption("device", "OpenVINO device to compile for: NPU (default when present), CPU or AUTO"),),
     # fp16 on the device; on the CPU stand-in only the fp16 weights differ: conformance measured <= 4.2e-4
     conformance=Conformance(min_cosine=0.9999, max_relative_error=5e-3),
+    program=ProgramTarget(lower="npumoe.backends.intel_npu.program:lower", libraries=("executorch_backend_openvino",),
+                          device="intel_npu (OpenVINO, its CPU device here; the rest on ExecuTorch's CPU kernels)",
+                          runner_setup="npumoe.backends.intel_npu.program:runner_setup"),
 )

@@ -14,11 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from npumoe.core.ir.backend import EXPERT_REGION, RunnerSetup
-
-
-def _is_expert_product(node) -> bool:
-    return EXPERT_REGION.items() <= (node.meta.get("custom") or {}).items()
+from npumoe.core.ir.backend import RunnerSetup, is_expert_product
 
 
 def _partitioner(specs):
@@ -29,12 +25,12 @@ def _partitioner(specs):
 
         def generate_partitions(self, edge_program):
             self.skip_node_id_set = {n.name for n in edge_program.graph_module.graph.nodes
-                                     if n.op == "call_function" and not _is_expert_product(n)}
+                                     if n.op == "call_function" and not is_expert_product(n)}
             return super().generate_partitions(edge_program)
 
         def ops_to_not_decompose(self, ep):
             ops, keep = super().ops_to_not_decompose(ep)
-            return ops, lambda node: keep(node) and _is_expert_product(node)
+            return ops, lambda node: keep(node) and is_expert_product(node)
 
     return ExpertPartitioner(specs, skip_mutable_buffer=True)  # the KV cache stays ExecuTorch's, shared by methods
 

@@ -186,6 +186,11 @@ EXPERT_REGION = {"npumoe_region": "experts"}
 expert products, so a target's lowering can hand its device exactly those."""
 
 
+def is_expert_product(node) -> bool:
+    """Whether a traced node (a torch.fx node) is one of the expert products :data:`EXPERT_REGION` marks."""
+    return EXPERT_REGION.items() <= (node.meta.get("custom") or {}).items()
+
+
 @dataclass(frozen=True)
 class RunnerSetup:
     """What the native runner does before it loads a program, for the target's delegate to find its device libraries:

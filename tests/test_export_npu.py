@@ -80,15 +80,26 @@ def run(directory, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, timeout=600, check=False)
 
 
-def test_the_runner_gives_the_device_engines_tokens(demo, target, plan, exported, ids, tmp_path):
-    out, _ = exported
-    done = run(out, "--tokens", ",".join(map(str, ids)), "--max-new-tokens", str(NEW), "--json", "--logits")
-    assert done.returncode == 0, done.stderr.decode()
-    result = json.loads(done.stdout)  # nothing but the result on stdout, although QNN's simulator prints there
-    build(demo, plan, target, tmp_path / target, max_context=CONTEXT, progress=False)
-    engine = npumoe.Engine(demo, plan=plan, backend=target, artifacts=tmp_path / target, max_context=CONTEXT)
-    assert result["tokens"] == ids + engine.generate(np.asarray(ids), max_new_tokens=NEW).tolist()
+@pytest.fixture(scope="module")
+def device_tokens(demo, target, plan, ids, tmp_path_factory):
+    """`npumoe generate --target T` over the same plan: its expert groups built for the device and run there."""
+    artifacts = tmp_path_factory.mktemp("build") / target
+    build(demo, plan, target, artifacts, max_context=CONTEXT, progress=False)
+    engine = npumoe.Engine(demo, plan=plan, backend=target, artifacts=artifacts, max_context=CONTEXT)
+    new = engine.generate(np.asarray(ids), max_new_tokens=NEW).tolist()
     assert engine.metrics["npu_launches"] > 0
+    return ids + new
+
+
+def generated(directory, ids, *flags: str) -> dict:
+    done = run(directory, "--tokens", ",".join(map(str, ids)), "--max-new-tokens", str(NEW), "--json", *flags)
+    assert done.returncode == 0, done.stderr.decode()
+    return json.loads(done.stdout)  # nothing but the result on stdout, although QNN's simulator prints there
+
+
+def test_the_runner_gives_the_device_engines_tokens(demo, plan, exported, ids, device_tokens, target):
+    result = generated(exported[0], ids, "--logits")
+    assert result["tokens"] == device_tokens
     reference = npumoe.Engine(demo, plan=plan, max_context=CONTEXT)
     _, logits = reference.generate(np.asarray(ids), max_new_tokens=NEW, return_logits=True)
     bound = plugin(target).conformance.max_relative_error
@@ -98,7 +109,7 @@ def test_the_runner_gives_the_device_engines_tokens(demo, target, plan, exported
 def test_the_expert_products_are_delegated(target, exported):
     out, manifest = exported
     assert manifest["npumoe_target"] == target
-    assert all(m["device"].startswith(target) for m in manifest["methods"].values())
+    assert [m["device"].split()[0] for m in manifest["methods"].values()] == [target, target]
     assert TARGETS[target][3] in (out / "model.pte").read_bytes()  # the delegate's id, in the program once delegated
 
 
@@ -108,3 +119,13 @@ def test_the_runner_links_the_delegate_but_neither_python_nor_torch(target, expo
     libraries = [line.split("[")[1].rstrip("]") for line in needed.splitlines() if "(NEEDED)" in line]
     assert {"libexecutorch.so", TARGETS[target][2]} <= set(libraries)
     assert not [lib for lib in libraries if lib.startswith(("libpython", "libtorch", "libc10"))]
+
+
+def test_a_disaggregated_program_decodes_on_the_cpu_with_the_same_tokens(demo, target, plan, ids, device_tokens,
+                                                                        tmp_path):
+    """--decode-on cpu: prefill delegated to the device, decode lowered for the CPU (XNNPACK), in one program."""
+    if target != "htp":
+        pytest.skip("checked on htp, the seed's disaggregated target: one more export per target costs CI time")
+    manifest = export(demo, target, tmp_path / "split", plan=plan, max_context=CONTEXT, decode_on="cpu")
+    assert [manifest["methods"][m]["device"].split()[0] for m in ("prefill", "decode")] == ["htp", "cpu"]
+    assert generated(tmp_path / "split", ids)["tokens"] == device_tokens

@@ -76,6 +76,22 @@ def test_the_runner_gives_the_engines_tokens_and_logits(demo, plan, exported, pr
     assert result["prefill_tok_s"] > 0 and result["decode_tok_s"] > 0
 
 
+def test_the_programs_padding_and_spill_counts_are_the_engines(demo, plan, exported, prompt):
+    """On held-out text, the prefill's static buffers pad and spill what the engine's do for the same plan, chunk by
+    chunk (the runtime's semantics moved into the program, not changed): the counts the program returns beside its
+    logits. The program prefills chunk by chunk; the engine's default buffers a long prompt's tokens per expert
+    across chunks (fewer, fuller launches), which the program does not do."""
+    ids = demo.tokenizer.encode(prompt)
+    engine = npumoe.Engine(demo, plan=plan, max_context=CONTEXT, buffering=False)
+    engine.generate(np.asarray(ids), max_new_tokens=1)  # the prefill alone (decode's graphs pad in their own way)
+    m = engine.metrics
+    done = run(exported[0], "--tokens", ",".join(map(str, ids)), "--max-new-tokens", "1", "--json")
+    assert done.returncode == 0, done.stderr.decode()
+    assert json.loads(done.stdout)["prefill_moe"] == {"padded": m["padded"], "spilled": m["spilled"],
+                                                      "dropped": m["dropped"]}
+    assert m["padded"] > 0 and m["spilled"] > 0
+
+
 def test_a_prompt_goes_through_the_tokenizer_beside_the_program(demo, plan, exported, prompt):
     out, _ = exported
     new = npumoe.Engine(demo, plan=plan, max_context=CONTEXT).generate(np.asarray(demo.tokenizer.encode(prompt)), 8)

@@ -131,7 +131,8 @@ def methods(program, devices: dict[str, str]) -> dict:
     """The program's methods as the manifest lists them: inputs and outputs (int64 ids and positions in, fp32
     logits out) and what runs each."""
     logits = {"logits": [1, program.spec.vocab_size]}
-    return {"prefill": {"inputs": {"tokens": [program.chunk], "start": [1], "valid": [1]}, "outputs": logits,
+    return {"prefill": {"inputs": {"tokens": [program.chunk], "start": [1], "valid": [1]},
+                        "outputs": {**logits, "moe_padded_spilled": [2]},
                         "device": devices["prefill"]},
             "decode": {"inputs": {"token": [1], "start": [1]}, "outputs": logits, "device": devices["decode"]}}
 

@@ -252,6 +252,7 @@ class Program {
   }
 
   int64_t vocab_size = 0, max_context = 0, chunk = 0;
+  int64_t padded = 0, spilled = 0;  // over the prefill, as npumoe's engine counts them (nothing is dropped)
   std::vector<int64_t> eos;
 
  private:
@@ -259,6 +260,10 @@ class Program {
     std::vector<EValue> values(inputs.begin(), inputs.end());
     auto out = module_.execute(method, values);
     if (!out.ok()) runtime_failed(std::string("running ") + method, out.error());
+    if (out->size() > 1) {  // prefill's MoE tally: [padded rows, spilled pairs] of this chunk
+      const int64_t* tally = out->at(1).toTensor().const_data_ptr<int64_t>();
+      padded += tally[0], spilled += tally[1];
+    }
     const auto& tensor = out->at(0).toTensor();
     const float* data = tensor.const_data_ptr<float>();
     return std::vector<float>(data, data + tensor.numel());  // (copied: the next call reuses the shared arena)
@@ -294,11 +299,13 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 
 void print_json(const std::vector<int64_t>& tokens, double prefill_tok_s, double decode_tok_s, size_t steps,
-                const std::vector<std::vector<float>>& logits) {
+                const Program& program, const std::vector<std::vector<float>>& logits) {
   std::printf("{\"tokens\": [");
   for (size_t i = 0; i < tokens.size(); ++i) std::printf("%s%" PRId64, i ? ", " : "", tokens[i]);
   std::printf("], \"prefill_tok_s\": %.6g, \"decode_tok_s\": ", prefill_tok_s);
   steps ? std::printf("%.6g", decode_tok_s) : std::printf("null");
+  std::printf(", \"prefill_moe\": {\"padded\": %" PRId64 ", \"spilled\": %" PRId64 ", \"dropped\": 0}",
+              program.padded, program.spilled);
   if (!logits.empty()) {
     std::printf(", \"logits\": [");
     for (size_t i = 0; i < logits.size(); ++i) {
@@ -349,7 +356,7 @@ int main(int argc, char** argv) {
   size_t steps = tokens.size() - ids.size() - 1;  // the first new token comes from the prefill's logits
   quiet.restore();
   if (o.json) {
-    print_json(tokens, ids.size() / prefill_seconds, steps / decode_seconds, steps, seen);
+    print_json(tokens, ids.size() / prefill_seconds, steps / decode_seconds, steps, program, seen);
   } else if (o.has_prompt) {
     for (size_t i = ids.size(); i < tokens.size(); ++i) std::putchar(static_cast<int>(tokens[i]));  // byte ids
     std::putchar('\n');

@@ -185,3 +185,11 @@ def test_export_without_a_compiler_names_the_install(tmp_path, monkeypatch, caps
         main(["export", "--target", "cpu", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and "install g++ or clang++, or point CXX" in err
+
+
+def test_decoding_on_an_npu_of_the_cpu_target_is_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["export", "--target", "cpu", "--decode-on", "npu", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and "--decode-on npu needs an NPU target" in err
+    assert not (tmp_path / "out").exists()

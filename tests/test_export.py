@@ -76,6 +76,22 @@ def test_the_runner_gives_the_engines_tokens_and_logits(demo, plan, exported, pr
     assert result["prefill_tok_s"] > 0 and result["decode_tok_s"] > 0
 
 
+def test_the_programs_padding_and_spill_counts_are_the_engines(demo, plan, exported, prompt):
+    """On held-out text, the prefill's static buffers pad and spill what the engine's do for the same plan, chunk by
+    chunk (the runtime's semantics moved into the program, not changed): the counts the program returns beside its
+    logits. The program prefills chunk by chunk; the engine's default buffers a long prompt's tokens per expert
+    across chunks (fewer, fuller launches), which the program does not do."""
+    ids = demo.tokenizer.encode(prompt)
+    engine = npumoe.Engine(demo, plan=plan, max_context=CONTEXT, buffering=False)
+    engine.generate(np.asarray(ids), max_new_tokens=1)  # the prefill alone (decode's graphs pad in their own way)
+    m = engine.metrics
+    done = run(exported[0], "--tokens", ",".join(map(str, ids)), "--max-new-tokens", "1", "--json")
+    assert done.returncode == 0, done.stderr.decode()
+    assert json.loads(done.stdout)["prefill_moe"] == {"padded": m["padded"], "spilled": m["spilled"],
+                                                      "dropped": m["dropped"]}
+    assert m["padded"] > 0 and m["spilled"] > 0
+
+
 def test_a_prompt_goes_through_the_tokenizer_beside_the_program(demo, plan, exported, prompt):
     out, _ = exported
     new = npumoe.Engine(demo, plan=plan, max_context=CONTEXT).generate(np.asarray(demo.tokenizer.encode(prompt)), 8)
@@ -169,3 +185,11 @@ def test_export_without_a_compiler_names_the_install(tmp_path, monkeypatch, caps
         main(["export", "--target", "cpu", "--out", str(tmp_path / "out")])
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.count("\n") == 1 and "install g++ or clang++, or point CXX" in err
+
+
+def test_decoding_on_an_npu_of_the_cpu_target_is_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["export", "--target", "cpu", "--decode-on", "npu", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and "--decode-on npu needs an NPU target" in err
+    assert not (tmp_path / "out").exists()

@@ -15,6 +15,6 @@ CPU_CAPS = Capabilities(
 
 PLUGIN = BackendPlugin(name="cpu", caps=CPU_CAPS, factory="npumoe.backends.cpu.backend:CpuBackend",
                        summary="the reference interpreter on this CPU (any shape; runs unplanned graphs)",
-                       program=ProgramTarget(partitioners="npumoe.backends.cpu.program:partitioners",
+                       program=ProgramTarget(lower="npumoe.backends.cpu.program:lower",
                                              libraries=("executorch_backend_xnnpack",),
                                              device="cpu (XNNPACK, ExecuTorch's optimized kernels)"))

@@ -2,7 +2,8 @@
 rest (routing, dispatch, the cache writes) runs on ExecuTorch's optimized and portable kernels."""
 
 
-def partitioners() -> list:
+def lower(programs: dict, constant_methods: dict):
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import to_edge_transform_and_lower
 
-    return [XnnpackPartitioner()]
+    return to_edge_transform_and_lower(programs, partitioner=[XnnpackPartitioner()], constant_methods=constant_methods)

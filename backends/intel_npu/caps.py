@@ -1,6 +1,6 @@
 """Intel's NPU (Core Ultra) through OpenVINO, as the registry knows it. No OpenVINO import needed."""
 
-from npumoe.core.ir.backend import FP16_CONFORMANCE, BackendPlugin, BuildOption, Capabilities
+from npumoe.core.ir.backend import FP16_CONFORMANCE, BackendPlugin, BuildOption, Capabilities, ProgramTarget
 from npumoe.core.ir.graph import OPS
 
 NPU_DOCS = "docs.openvino.ai/2026/openvino-workflow/running-inference/inference-devices-and-modes/npu-device.html"
@@ -25,4 +25,7 @@ PLUGIN = BackendPlugin(
     summary="Intel NPU (Core Ultra) through OpenVINO IR; runs here on OpenVINO's CPU device when no NPU is present",
     options=(BuildOption("device", "OpenVINO device to compile for: NPU (default when present), CPU or AUTO"),),
     conformance=FP16_CONFORMANCE,  # fp16 on the device; on the CPU stand-in only the fp16 weights differ
+    program=ProgramTarget(lower="npumoe.backends.intel_npu.program:lower", libraries=("executorch_backend_openvino",),
+                          device="intel_npu (OpenVINO, its CPU device here; the rest on ExecuTorch's CPU kernels)",
+                          runner_setup="npumoe.backends.intel_npu.program:runner_setup"),
 )

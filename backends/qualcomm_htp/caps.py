@@ -7,6 +7,7 @@ from npumoe.core.ir.backend import (
     BuildOption,
     Capabilities,
     Device,
+    ProgramTarget,
     Published,
 )
 from npumoe.core.ir.graph import OPS
@@ -76,6 +77,10 @@ PLUGIN = BackendPlugin(
     commands={"hub": "npumoe.backends.qualcomm_htp.hub:hub_command"},
     command_help={"hub": "Compile or profile HTP graphs on Qualcomm AI Hub devices."},
     trace="npumoe.backends.qualcomm_htp.trace:HtpTrace",
+    program=ProgramTarget(lower="npumoe.backends.qualcomm_htp.program:lower", libraries=("executorch_backend_qnn",),
+                          device="htp (QNN fp16: the expert products; the rest on ExecuTorch's CPU kernels)",
+                          runner_setup="npumoe.backends.qualcomm_htp.program:runner_setup",
+                          op_impls="npumoe.backends.qualcomm_htp.pte:IMPLS"),
     options=(
         BuildOption("via", "toolchain: onnx (default; QNN context binaries) | executorch (.pte)"),
         BuildOption("precision", "fp16 (default) | w8a16 | w4a16 = int4 (QDQ weights, 16-bit activations; "

@@ -189,14 +189,35 @@ class Published:
     source: str
 
 
+EXPERT_REGION = {"npumoe_region": "experts"}
+"""What ``npumoe export`` annotates (``torch.fx.traceback.annotate``, a node's ``meta["custom"]``) on the nodes of the
+expert products, so a target's lowering can hand its device exactly those."""
+
+
+def is_expert_product(node) -> bool:
+    """Whether a traced node (a torch.fx node) is one of the expert products :data:`EXPERT_REGION` marks."""
+    return EXPERT_REGION.items() <= (node.meta.get("custom") or {}).items()
+
+
+@dataclass(frozen=True)
+class RunnerSetup:
+    """What the native runner does before it loads a program, for the target's delegate to find its device libraries:
+    environment variables it sets where unset, then shared libraries it loads globally, in order (absolute paths)."""
+
+    env: Mapping[str, str] = field(default_factory=dict)
+    preload: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class ProgramTarget:
-    """How a target takes part in ``npumoe export``'s whole-model ExecuTorch program: the partitioners that hand
-    its device the parts it runs, and what the native runner links so that those parts' backends register."""
+    """How a target takes part in ``npumoe export``'s whole-model ExecuTorch program: how its methods are lowered (the
+    partitioners that hand its device the parts it runs) and what the native runner needs for those parts' backends."""
 
-    partitioners: str  # "module:function" → the ExecuTorch partitioners to lower with, imported on use
+    lower: str  # "module:function": ({method: ExportedProgram}, constant methods) → ExecuTorch's EdgeProgramManager
     libraries: tuple[str, ...] = ()  # ExecuTorch backend libraries the runner links (names without lib and .so)
-    device: str = "cpu"  # what runs the program's methods, as the export manifest says
+    device: str = "cpu"  # what runs the program's delegated parts, as the export manifest says
+    runner_setup: str | None = None  # "module:function" → the RunnerSetup of this machine (None: nothing to do)
+    op_impls: str | None = None  # "module:NAME" → {IR op: implementation} replacing the interpreter's in the program
 
 
 class DeviceTrace(Protocol):

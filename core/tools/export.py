@@ -21,17 +21,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.fx.traceback import preserve_node_meta
 
 from npumoe.core.base.errors import BackendUnavailableError, InputError
 from npumoe.core.base.outputs import OutputKind, claim, json_kind, staged_directory
+from npumoe.core.compiler.interpreter import OP_IMPLS
 from npumoe.core.compiler.program import build_program
-from npumoe.core.ir.backend import ProgramTarget, plugin, plugin_object, plugins
+from npumoe.core.ir.backend import ProgramTarget, RunnerSetup, plugin, plugin_object, plugins
 from npumoe.core.ir.rope import short_context
 from npumoe.core.runtime.engine import DEFAULT_CHUNK, DEFAULT_MAX_CONTEXT
 from npumoe.core.tools import native_runner
 from npumoe.core.tools.whole_model import Method, WholeModel
 
 KIND = "npumoe.Export"
+CPU = "cpu"  # the target a disaggregated program's decode method is lowered for
+DECODE_ON = ("npu", "cpu")
 MANIFEST, PROGRAM, RUNNER = "manifest.json", "model.pte", "npumoe-run"
 TOKENIZER_FILES = ("npumoe_tokenizer.json", "tokenizer.json")  # what models/tokenizer.py reads, in its order
 EXPORT = OutputKind("an exported program (npumoe export)", directory=True,
@@ -61,10 +65,18 @@ def context_length(spec, max_context: int | None) -> int:
 
 
 def export(model, target: str, out: str | Path, plan=None, chunk: int | None = None, max_context: int | None = None,
-           report: Callable[[str], None] = lambda line: None) -> dict:
-    """Write ``out`` (see the module docstring) and return its manifest; ``chunk`` is the plan's where there is one."""
+           decode_on: str | None = None, report: Callable[[str], None] = lambda line: None) -> dict:
+    """Write ``out`` (see the module docstring) and return its manifest; ``chunk`` is the plan's where there is one.
+    ``decode_on="cpu"`` lowers the decode method for the CPU target (disaggregated: the device prefills, the CPU
+    decodes, as decode is bound by weight bytes and launch cost); None or "npu", for ``target`` as prefill."""
     out = claim(out, EXPORT)
     record = program_target(target)
+    if decode_on not in (None, *DECODE_ON):
+        raise InputError(f"--decode-on takes {' or '.join(DECODE_ON)}, not {decode_on!r}.")
+    if decode_on == "npu" and target == CPU:
+        raise InputError("--decode-on npu needs an NPU target; target cpu decodes on the CPU (leave --decode-on out).")
+    decoder = program_target(CPU) if decode_on == "cpu" else record
+    devices = {"prefill": record.device, "decode": decoder.device}
     if getattr(model.weights, "packed", None):
         raise InputError(f"{model.name} holds quantised (packed) matrices, which npumoe export does not take yet; "
                          "export the unquantised checkpoint.")
@@ -74,7 +86,9 @@ def export(model, target: str, out: str | Path, plan=None, chunk: int | None = N
             raise InputError(f"this plan's overflow policy is {plan.overflow}, but an exported program computes every "
                              "routed pair (spill); make the plan with npumoe plan --overflow spill.")
         chunk = plan.chunk
-    runner = native_runner.runner(target, record.libraries)  # first: a missing compiler is found in seconds
+    setup = plugin_object(plugin(target), record.runner_setup)() if record.runner_setup else RunnerSetup()
+    libraries = tuple(dict.fromkeys((*record.libraries, *decoder.libraries)))
+    runner = native_runner.runner(target, libraries, setup)  # first: a missing compiler is found in seconds
     program = build_program(model.spec, chunk=chunk or DEFAULT_CHUNK, max_context=context_length(model.spec,
                                                                                                   max_context),
                             plan=plan)
@@ -84,13 +98,15 @@ def export(model, target: str, out: str | Path, plan=None, chunk: int | None = N
                 "fingerprint": model.fingerprint, "weights": model.weights_fingerprint(),
                 "plan": None if plan is None else {"target": plan.target, "method": plan.method,
                                                    "overflow": plan.overflow},
-                "methods": methods(program, record.device), "tokenizer": tokenizer and tokenizer.name,
+                "methods": methods(program, devices), "tokenizer": tokenizer and tokenizer.name,
                 "runner": RUNNER}
     report(f"exporting {model.name}: {model.spec.num_layers} layers, chunk {program.chunk}, context "
            f"{program.max_context}, {'plan for ' + plan.target if plan else 'no plan'}")
     start = time.perf_counter()
-    partitioners = plugin_object(plugin(target), record.partitioners)()
-    data = lower(WholeModel(program, model.weights).eval(), partitioners, constants)
+    impls = plugin_object(plugin(target), record.op_impls) if record.op_impls else OP_IMPLS
+    lowerings = {"prefill": plugin_object(plugin(target), record.lower),
+                 "decode": plugin_object(plugin(CPU if decode_on == "cpu" else target), decoder.lower)}
+    data = lower(WholeModel(program, model.weights, impls).eval(), lowerings, constants)
     manifest["export_seconds"] = round(time.perf_counter() - start, 1)
     with staged_directory(out) as staging:
         (staging / PROGRAM).write_bytes(data)
@@ -111,20 +127,21 @@ def program_metadata(model, program, target: str) -> dict:
             "get_eos_ids": list(spec.eos_token_ids), **({"get_bos_id": bos} if isinstance(bos, int) else {})}
 
 
-def methods(program, device: str) -> dict:
+def methods(program, devices: dict[str, str]) -> dict:
     """The program's methods as the manifest lists them: inputs and outputs (int64 ids and positions in, fp32
-    logits out) and what runs them."""
+    logits out) and what runs each."""
     logits = {"logits": [1, program.spec.vocab_size]}
-    return {"prefill": {"inputs": {"tokens": [program.chunk], "start": [1], "valid": [1]}, "outputs": logits,
-                        "device": device},
-            "decode": {"inputs": {"token": [1], "start": [1]}, "outputs": logits, "device": device}}
+    return {"prefill": {"inputs": {"tokens": [program.chunk], "start": [1], "valid": [1]},
+                        "outputs": {**logits, "moe_padded_spilled": [2]},
+                        "device": devices["prefill"]},
+            "decode": {"inputs": {"token": [1], "start": [1]}, "outputs": logits, "device": devices["decode"]}}
 
 
-def lower(module: WholeModel, partitioners: list, metadata: dict) -> bytes:
-    """The module's two methods through torch.export and ExecuTorch's lowering into one program's bytes: mutable
-    buffers shared by name across the methods (the KV cache), constants stored once."""
+def lower(module: WholeModel, lowerings: dict[str, Callable], metadata: dict) -> bytes:
+    """The module's two methods through torch.export and each method's target lowering into one program's bytes:
+    mutable buffers shared by name across the methods (the KV cache), constants stored once."""
     try:
-        from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+        from executorch.exir import EdgeCompileConfig, EdgeProgramManager, ExecutorchBackendConfig
         from executorch.exir.passes import MemoryPlanningPass
     except ImportError as err:
         raise BackendUnavailableError(f"npumoe export needs executorch ({err}); install it with "
@@ -138,9 +155,15 @@ def lower(module: WholeModel, partitioners: list, metadata: dict) -> bytes:
         for category in (FutureWarning, DeprecationWarning):
             warnings.filterwarnings("ignore", category=category)
         warnings.filterwarnings("ignore", message="Mutation on a buffer")
-        exported = {name: torch.export.export(Method(module, name), example, strict=False)
-                    for name, example in examples.items()}
-        edge = to_edge_transform_and_lower(exported, partitioner=partitioners, constant_methods=metadata)
+        with preserve_node_meta():  # keeps the expert products' annotation (whole_model.EXPERT_REGION) on the nodes
+            exported = {name: torch.export.export(Method(module, name), example, strict=False)
+                        for name, example in examples.items()}
+        if len(set(lowerings.values())) == 1:
+            edge = lowerings["prefill"](exported, metadata)
+        else:  # each method lowered for its own target, then one program (the lowerings verified their own IR)
+            edge = EdgeProgramManager({name: lowerings[name]({name: ep}, {}).exported_program(name)
+                                       for name, ep in exported.items()}, constant_methods=metadata,
+                                      compile_config=EdgeCompileConfig(_check_ir_validity=False))
         config = ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=True),
                                          emit_mutable_buffer_names=True, run_reinplace_pass=True)  # in-place writes
         return edge.to_executorch(config).buffer

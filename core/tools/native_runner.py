@@ -17,6 +17,7 @@ from pathlib import Path
 
 from npumoe.core.base.errors import BackendUnavailableError
 from npumoe.core.base.native import cache_dir, cached_build, find_compiler
+from npumoe.core.ir.backend import RunnerSetup
 
 SOURCE = Path(__file__).parent / "npumoe_run" / "npumoe_run.cpp"
 RUNTIME_LIBRARIES = ("executorch", "executorch_kernels_optimized")
@@ -62,15 +63,23 @@ def _compiler_version(cxx: tuple[str, ...]) -> str:
                                       "clang++, or point CXX at a working compiler.") from err
 
 
-def runner(target: str, libraries: tuple[str, ...]) -> Path:
-    """The runner for programs exported for ``target``, linking its backend ``libraries``; compiled now if this
-    machine has no verified build of this source, npumoe, executorch and compiler."""
+def _quoted(text: str) -> str:
+    """``text`` as a C string literal in a -D flag (the compiler runs without a shell)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+
+def runner(target: str, libraries: tuple[str, ...], setup: RunnerSetup = RunnerSetup()) -> Path:
+    """The runner for programs exported for ``target``, linking its backend ``libraries`` and doing ``setup`` before it
+    loads a program; compiled now if this machine has no verified build of this source, npumoe, executorch, compiler
+    and setup."""
     root, cxx = executorch_root(), compiler()
     flags = ["-std=c++17", "-O2", "-Wno-deprecated-declarations", f"-I{root / 'include'}",
              f"-I{root / 'include/executorch/runtime/core/portable_type/c10'}", "-DC10_USING_CUSTOM_GENERATED_MACROS",
-             f'-DNPUMOE_VERSION="{npumoe_version()}"', f'-DNPUMOE_TARGET="{target}"']
+             f'-DNPUMOE_VERSION="{npumoe_version()}"', f'-DNPUMOE_TARGET="{target}"',
+             f"-DNPUMOE_SETENV={_quoted(chr(10).join(f'{k}={v}' for k, v in setup.env.items()))}",
+             f"-DNPUMOE_PRELOAD={_quoted(chr(10).join(setup.preload))}"]
     links = [f"-L{root / 'lib'}", "-Wl,--no-as-needed", *(f"-l{lib}" for lib in (*RUNTIME_LIBRARIES, *libraries)),
-             "-Wl,--as-needed", f"-Wl,-rpath,{root / 'lib'}"]
+             "-Wl,--as-needed", "-ldl", f"-Wl,-rpath,{root / 'lib'}"]
     key = hashlib.sha256("\0".join([_compiler_version(cxx), _executorch_version(), *flags, *links]).encode()
                          + SOURCE.read_bytes()).hexdigest()[:16]
     out = cache_dir("runner") / f"npumoe-run-{target}-{key}"

@@ -12,12 +12,16 @@ reference's whatever the capacities.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import numpy as np
 import torch
+from torch.fx.traceback import annotate
 
 from npumoe.core.compiler.graphs import experts_graph
 from npumoe.core.compiler.interpreter import OP_IMPLS, evaluate
 from npumoe.core.compiler.program import ExpertGroup, Program
+from npumoe.core.ir.backend import EXPERT_REGION
 from npumoe.core.ir.rope import cos_sin
 from npumoe.core.ir.spec import ModelSpec
 from npumoe.core.ir.weights import expert
@@ -103,18 +107,22 @@ class StaticMoE(torch.nn.Module):
         smallest = [0] * self.num_experts  # each expert's least capacity over its group's shapes (0: CPU-resident)
         fixed = torch.zeros(self.num_experts, dtype=torch.int64)
         self.choices = []  # (group index buffer, its shapes' buffer, overflow cost) of groups with several shapes
+        self.groups = []  # the group index buffer of every static group (for the padding count)
         for j, group in enumerate(g for g in groups if g.shapes):
-            caps = torch.tensor([s.capacities for s in group.shapes]).clamp(max=chunk)
+            caps = torch.tensor([s.capacities for s in group.shapes])  # as compiled: the engine's choice and padding
             members = torch.tensor(group.experts)
             for column, e in enumerate(group.experts):
-                smallest[e] = int(caps[:, column].min())
+                smallest[e] = min(int(caps[:, column].min()), chunk)
+            self.register_buffer(f"group_{j}_experts", members)
+            self.groups.append(f"group_{j}_experts")
             if len(group.shapes) == 1:
                 fixed[members] = caps[0]
                 continue
-            self.register_buffer(f"group_{j}_experts", members)
             self.register_buffer(f"group_{j}_shapes", caps)
             self.choices.append((f"group_{j}_experts", f"group_{j}_shapes", group.overflow_cost))
         self.register_buffer("fixed_capacity", fixed)
+        self.register_buffer("static_expert", torch.tensor([c > 0 for c in smallest]) if groups else
+                             torch.zeros(self.num_experts, dtype=torch.bool))
         self.width = max((int(c) for g in groups for s in g.shapes for c in s.capacities), default=0)
         self.width = min(self.width, chunk)
         # the most pairs that can spill: every token routed to the k experts of least capacity
@@ -125,8 +133,10 @@ class StaticMoE(torch.nn.Module):
         return experts.reshape(-1), gates.reshape(-1)
 
     def _experts(self, x: torch.Tensor, matrices: dict[str, torch.Tensor]) -> torch.Tensor:
-        """x[E', R, H] through expert e's matrices for each leading index e (matrices stacked to match)."""
-        return evaluate(self.graph, {"x": x}, matrices.__getitem__, EXPERT_OPS)["y"]
+        """x[E', R, H] through expert e's matrices for each leading index e (matrices stacked to match); its nodes are
+        marked as the expert products (a target's lowering may hand its device exactly these)."""
+        with annotate(EXPERT_REGION):
+            return evaluate(self.graph, {"x": x}, matrices.__getitem__, EXPERT_OPS)["y"]
 
     def _pairs(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Row i of x[n, H] through expert ``experts[i]``: its matrices gathered for it."""
@@ -138,21 +148,36 @@ class StaticMoE(torch.nn.Module):
         y = self._pairs(z.expand(self.top_k, -1), expert_of)
         return (y * gate.unsqueeze(1)).sum(0, keepdim=True)
 
-    def prefill(self, z: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def prefill(self, z: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output for the chunk, and [padded rows, spilled pairs] as the engine's metrics count them."""
         seq, hidden = z.shape
         expert_of, gate = self._route(z)
         token = self.pair_token
         real = token < valid  # padding rows route too, but their pairs take no slot
         counts = ((expert_of.unsqueeze(1) == self.expert_ids) & real.unsqueeze(1)).to(torch.int64).cumsum(0)
         rank = counts.gather(1, expert_of.unsqueeze(1)).squeeze(1) - 1  # within its expert, in token order
-        y, spill = None, real
+        y, spill, tally = None, real, torch.zeros(2, dtype=torch.int64)
         if self.width:
-            fits = real & (rank < self._capacities(counts[-1]).index_select(0, expert_of))
+            capacity = self._capacities(counts[-1])
+            fits = real & (rank < capacity.index_select(0, expert_of))
             y, spill = self._static_pass(z, token, expert_of, rank, fits), real & ~fits
+            spilled = (spill & self.static_expert.index_select(0, expert_of)).sum()  # not the CPU-resident experts'
+            tally = torch.stack((self._padded(counts[-1], capacity), spilled.to(torch.int64)))
         if self.spill_slots:
             spilled = self._spill_pass(z, token, expert_of, spill)
             y = spilled if y is None else y + spilled
-        return (y * gate.unsqueeze(1)).view(seq, self.top_k, hidden).sum(1)
+        return (y * gate.unsqueeze(1)).view(seq, self.top_k, hidden).sum(1), tally
+
+    def _padded(self, loads: torch.Tensor, capacity: torch.Tensor) -> torch.Tensor:
+        """The empty rows of the groups' launches this chunk: a group launches when a pair fits (the engine's
+        ``padded``; an expert's unused rows in a launched group count)."""
+        padded = torch.zeros((), dtype=torch.int64)
+        for members in self.groups:
+            members = getattr(self, members)
+            rows, filled = capacity.index_select(0, members), torch.minimum(loads.index_select(0, members), capacity
+                                                                              .index_select(0, members))
+            padded = padded + torch.where(filled.sum() > 0, rows.sum() - filled.sum(), 0)
+        return padded
 
     def _capacities(self, loads: torch.Tensor) -> torch.Tensor:
         """[E] each expert's static slots this chunk: its group's shape of least padding + overflow_cost · overflow
@@ -187,10 +212,12 @@ class StaticMoE(torch.nn.Module):
 
 
 class WholeModel(torch.nn.Module):
-    """Embedding, every layer, the final norm and the LM head over a KV cache of ``program.max_context`` slots."""
+    """Embedding, every layer, the final norm and the LM head over a KV cache of ``program.max_context`` slots; the
+    IR's ops run as ``impls`` implements them (default: the reference interpreter's)."""
 
-    def __init__(self, program: Program, weights):
+    def __init__(self, program: Program, weights, impls: Mapping[str, Callable] = OP_IMPLS):
         super().__init__()
+        self.impls = impls
         spec = self.spec = program.spec
         self.program, self.chunk, self.max_context = program, program.chunk, program.max_context
         self.alias = {"lm_head.weight": "embed.weight"} if spec.tie_embeddings else {}
@@ -215,17 +242,20 @@ class WholeModel(torch.nn.Module):
     def weight(self, name: str) -> torch.Tensor:
         return getattr(self, _buffer_name(self.alias.get(name, name)))
 
-    def prefill(self, tokens: torch.Tensor, start: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, start: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
         """tokens [chunk] int64 at positions start.. (start [1]), the first ``valid`` [1] real → the last real
-        position's logits [1, vocab]; their keys and values are in the cache."""
-        x = self._layers(tokens, start, valid)
-        return self._head(x.index_select(0, valid - 1))
+        position's logits [1, vocab] and the MoE layers' [padded rows, spilled pairs] (int64 [2]); their keys and
+        values are in the cache."""
+        x, tally = self._layers(tokens, start, valid)
+        return self._head(x.index_select(0, valid - 1)), tally
 
     def decode(self, token: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """token [1] int64 at position ``start`` [1] → its logits [1, vocab]."""
-        return self._head(self._layers(token, start, torch.ones_like(start)))
+        return self._head(self._layers(token, start, torch.ones_like(start))[0])
 
-    def _layers(self, ids: torch.Tensor, start: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def _layers(self, ids: torch.Tensor, start: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                           torch.Tensor]:
         seq, spec = ids.shape[0], self.spec
         x = self.weight("embed.weight").index_select(0, ids)
         if spec.embedding_scale != 1.0:
@@ -233,7 +263,7 @@ class WholeModel(torch.nn.Module):
         positions = start + torch.arange(seq)
         rope_rows = {key: (getattr(self, f"rope_cos_{key}").index_select(0, positions),
                            getattr(self, f"rope_sin_{key}").index_select(0, positions)) for key in set(self.rope_of)}
-        masks = {}
+        masks, tally = {}, torch.zeros(2, dtype=torch.int64)
         for i, step in enumerate(self.program.layers):
             window = spec.layers[i].attention.sliding_window
             if window not in masks:
@@ -242,26 +272,27 @@ class WholeModel(torch.nn.Module):
             cos, sin = rope_rows[self.rope_of[i]]
             out = evaluate(self.program.graphs[step.attention[seq]], {
                 "x": x, "cos": cos, "sin": sin, "mask": masks[window], "k_cache": k_cache, "v_cache": v_cache},
-                self.weight)
+                self.weight, self.impls)
             # padding rows repeat the last real row's key and value at its slot, so every write is a real one
             source = torch.minimum(torch.arange(seq), valid - 1)
             k_cache[:, start + source] = out["k_new"].index_select(1, source)
             v_cache[:, start + source] = out["v_new"].index_select(1, source)
-            x = out["h"] + self._feed_forward(i, out["z"], valid)
-        return x
+            y, counted = self._feed_forward(i, out["z"], valid)
+            x, tally = out["h"] + y, tally + counted
+        return x, tally
 
-    def _feed_forward(self, i: int, z: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        step, seq = self.program.layers[i], z.shape[0]
+    def _feed_forward(self, i: int, z: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        step, seq, none = self.program.layers[i], z.shape[0], torch.zeros(2, dtype=torch.int64)
         if step.moe is None:
-            return evaluate(self.program.graphs[step.dense[seq]], {"z": z}, self.weight)["y"]
+            return evaluate(self.program.graphs[step.dense[seq]], {"z": z}, self.weight, self.impls)["y"], none
         moe = self.moe[str(i)]
-        y = moe.decode(z) if seq == 1 else moe.prefill(z, valid)
+        y, tally = (moe.decode(z), none) if seq == 1 else moe.prefill(z, valid)
         if step.moe.shared is not None:
-            y = y + evaluate(self.program.graphs[step.moe.shared[seq]], {"z": z}, self.weight)["y"]
-        return y
+            y = y + evaluate(self.program.graphs[step.moe.shared[seq]], {"z": z}, self.weight, self.impls)["y"]
+        return y, tally
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return evaluate(self.program.graphs[self.program.lm_head[1]], {"x": x}, self.weight)["logits"]
+        return evaluate(self.program.graphs[self.program.lm_head[1]], {"x": x}, self.weight, self.impls)["logits"]
 
 
 class Method(torch.nn.Module):

@@ -23,13 +23,17 @@ from npumoe.core.runtime import DEFAULT_CHUNK
               help=f"Tokens a prefill call takes [default: the plan's, else {DEFAULT_CHUNK}].")
 @click.option("--max-context", default=None, type=click.IntRange(1),
               help="KV cache length [default: min(model max, 512)].")
-def export_command(model_dir, target, out, plan_path, chunk, max_context):
+@click.option("--decode-on", type=click.Choice(["npu", "cpu"]), default=None,
+              help="Where the decode method runs: on the target's device (npu, the default) or on the CPU "
+                   "(disaggregated: the device prefills; decode is bound by weight bytes and launch cost).")
+def export_command(model_dir, target, out, plan_path, chunk, max_context, decode_on):
     """Export a model as one ExecuTorch program (prefill and decode over one KV cache) and build npumoe-run, a
     native runner that needs neither Python nor torch.
 
     \b
     Examples:
       npumoe export --target cpu --out demo-cpu
+      npumoe export --target htp --decode-on cpu --out demo-htp
       demo-cpu/npumoe-run demo-cpu/model.pte --prompt "def fib" --max-new-tokens 32
       demo-cpu/npumoe-run demo-cpu/model.pte --tokens 1,2,3 --max-new-tokens 8 --json
     """
@@ -42,7 +46,8 @@ def export_command(model_dir, target, out, plan_path, chunk, max_context):
         raise InputError(f"--chunk {chunk} differs from the plan's chunk {plan.chunk}, which its capacities were "
                          "fitted to; leave --chunk out.")
     model = load(model_dir, dtype="float32")
-    manifest = export(model, target, out, plan=plan, chunk=chunk, max_context=max_context, report=click.echo)
+    manifest = export(model, target, out, plan=plan, chunk=chunk, max_context=max_context, decode_on=decode_on,
+                      report=click.echo)
     sizes = ", ".join(f"{name} {size / 1e6:.2f} MB" for name, size in manifest["files"].items())
     click.echo(f"wrote {out} in {manifest['export_seconds']:.0f} s: {sizes}")
     click.echo(f"run it: {out}/npumoe-run {out}/model.pte --tokens 1,2,3 --max-new-tokens 16 --json")

@@ -12,6 +12,8 @@
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/platform/platform.h>
+#include <dlfcn.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -28,6 +30,16 @@
 #endif
 #ifndef NPUMOE_TARGET
 #error "build with -DNPUMOE_TARGET=\"...\", the export target whose backends this runner links"
+#endif
+// What a delegate needs before the program loads (npumoe export fills these in from the target's RunnerSetup): lines
+// NAME=VALUE set where the environment has no NAME, then libraries (absolute paths, one a line) loaded globally, so
+// that a backend opening them by name gets these. Empty by default: on a device they sit beside the runner
+// (LD_LIBRARY_PATH, and ADSP_LIBRARY_PATH for QNN's DSP libraries).
+#ifndef NPUMOE_SETENV
+#define NPUMOE_SETENV ""
+#endif
+#ifndef NPUMOE_PRELOAD
+#define NPUMOE_PRELOAD ""
 #endif
 
 namespace {
@@ -152,6 +164,41 @@ std::vector<int64_t> encode_prompt(const Options& o, int64_t vocab_size) {
   return ids;
 }
 
+std::vector<std::string> lines(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream stream(text);
+  for (std::string line; std::getline(stream, line);)
+    if (!line.empty()) out.push_back(line);
+  return out;
+}
+
+void prepare_device() {
+  for (const std::string& line : lines(NPUMOE_SETENV)) {
+    auto equals = line.find('=');
+    setenv(line.substr(0, equals).c_str(), line.substr(equals + 1).c_str(), /*overwrite=*/0);
+  }
+  for (const std::string& library : lines(NPUMOE_PRELOAD)) {
+    if (!dlopen(library.c_str(), RTLD_NOW | RTLD_GLOBAL))
+      fail(kRunFailed, "cannot load " + library + " (" + dlerror() + "), which the " NPUMOE_TARGET " delegate needs; "
+                       "export the program again on this machine (npumoe export rebuilds the runner)");
+  }
+}
+
+// Device libraries may print to stdout as they load and run (QNN's x86 HTP simulator does): until the results, the
+// runner's stdout goes to stderr, so that what it prints (--json) is all that is on stdout.
+class QuietStdout {
+ public:
+  QuietStdout() : saved_(dup(STDOUT_FILENO)) { std::fflush(stdout), dup2(STDERR_FILENO, STDOUT_FILENO); }
+  void restore() {
+    if (saved_ < 0) return;
+    std::fflush(stdout), dup2(saved_, STDOUT_FILENO), close(saved_);
+    saved_ = -1;
+  }
+
+ private:
+  int saved_;
+};
+
 class Program {
  public:
   explicit Program(const std::string& path)
@@ -205,6 +252,7 @@ class Program {
   }
 
   int64_t vocab_size = 0, max_context = 0, chunk = 0;
+  int64_t padded = 0, spilled = 0;  // over the prefill, as npumoe's engine counts them (nothing is dropped)
   std::vector<int64_t> eos;
 
  private:
@@ -212,6 +260,10 @@ class Program {
     std::vector<EValue> values(inputs.begin(), inputs.end());
     auto out = module_.execute(method, values);
     if (!out.ok()) runtime_failed(std::string("running ") + method, out.error());
+    if (out->size() > 1) {  // prefill's MoE tally: [padded rows, spilled pairs] of this chunk
+      const int64_t* tally = out->at(1).toTensor().const_data_ptr<int64_t>();
+      padded += tally[0], spilled += tally[1];
+    }
     const auto& tensor = out->at(0).toTensor();
     const float* data = tensor.const_data_ptr<float>();
     return std::vector<float>(data, data + tensor.numel());  // (copied: the next call reuses the shared arena)
@@ -247,11 +299,13 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 
 void print_json(const std::vector<int64_t>& tokens, double prefill_tok_s, double decode_tok_s, size_t steps,
-                const std::vector<std::vector<float>>& logits) {
+                const Program& program, const std::vector<std::vector<float>>& logits) {
   std::printf("{\"tokens\": [");
   for (size_t i = 0; i < tokens.size(); ++i) std::printf("%s%" PRId64, i ? ", " : "", tokens[i]);
   std::printf("], \"prefill_tok_s\": %.6g, \"decode_tok_s\": ", prefill_tok_s);
   steps ? std::printf("%.6g", decode_tok_s) : std::printf("null");
+  std::printf(", \"prefill_moe\": {\"padded\": %" PRId64 ", \"spilled\": %" PRId64 ", \"dropped\": 0}",
+              program.padded, program.spilled);
   if (!logits.empty()) {
     std::printf(", \"logits\": [");
     for (size_t i = 0; i < logits.size(); ++i) {
@@ -269,6 +323,8 @@ void print_json(const std::vector<int64_t>& tokens, double prefill_tok_s, double
 int main(int argc, char** argv) {
   executorch::runtime::register_pal(executorch::runtime::PalImpl::create(keep_runtime_error, __FILE__));
   Options o = parse_arguments(argc, argv);
+  QuietStdout quiet;
+  prepare_device();
   Program program(o.program);
   std::vector<int64_t> ids = o.has_tokens ? parse_tokens(o.tokens) : encode_prompt(o, program.vocab_size);
   for (int64_t id : ids) {
@@ -298,8 +354,9 @@ int main(int argc, char** argv) {
   }
   double decode_seconds = seconds_since(begin);
   size_t steps = tokens.size() - ids.size() - 1;  // the first new token comes from the prefill's logits
+  quiet.restore();
   if (o.json) {
-    print_json(tokens, ids.size() / prefill_seconds, steps / decode_seconds, steps, seen);
+    print_json(tokens, ids.size() / prefill_seconds, steps / decode_seconds, steps, program, seen);
   } else if (o.has_prompt) {
     for (size_t i = ids.size(); i < tokens.size(); ++i) std::putchar(static_cast<int>(tokens[i]));  // byte ids
     std::putchar('\n');

@@ -40,7 +40,8 @@ def render(result: dict, console: Console) -> None:
     swept = ", ".join(f"{int(d) // 1024} KB {ms:.1f} ms" for d, ms in chosen["ms_by_distance"].items())
     console.print(f"prefetch distance {chosen['prefetch'] // 1024} KB, measured now in {chosen['seconds']:.1f} s and "
                   f"cached for later processes (one GEMV pass a distance, best of rounds: {swept})")
-    console.print("goals: ≥ 0.92 of BW (int4, int2; issue 34); ≥ 6.5× (int4) and ≥ 10× (int2) fp32 GEMV; prefill ≥ 1× fp32")
+    console.print("goals: ≥ 0.92 of BW (int4, int2; issue 34); ≥ 6.5× (int4) and ≥ 10× (int2) fp32 GEMV; "
+                  "prefill ≥ 1× fp32")
     console.print(f"load average {result['load_before'][0]:.2f} before, {result['load_after'][0]:.2f} after, "
                   f"on {os.cpu_count()} CPUs (other work on the machine lowers every figure)")
 

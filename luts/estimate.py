@@ -116,8 +116,8 @@ def _compiler(isa: str) -> tuple[str, ...]:
 @functools.cache
 def _region(isa: str, harness: str, *defines: str) -> tuple[str, tuple[str, ...]]:
     """The harness's region as the ISA's build compiles it: its opening marker line and its instructions."""
-    flags = (*build.COMMON_FLAGS, "-S", f"-I{build.CSRC}", f'-DNPUMOE_ISA_FILE="{isa}.c"', *defines,
-             *build.ISAS[isa][1])
+    flags = (*build.COMMON_FLAGS, "-S", f"-I{build.CSRC}", f'-DNPUMOE_ISA_FILE="{isa}.c"', "-DLUT_PREFETCH_CONSTANT",
+             *defines, *build.ISAS[isa][1])
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "region.s"
         subprocess.run([*_compiler(isa), *flags, str(build.CSRC / harness), "-o", str(out)], check=True,

@@ -25,7 +25,13 @@
  * first use (luts/tuning.py) and set here; LUT_PREFETCH_FAR until then. Measurements: docs/performance.md,
  * "LUT-GEMV prefetch". */
 #define LUT_PREFETCH_FAR 12288
+/* The distance in force, set between calls (npumoe_lut_set_prefetch): one load from L1 per use, beside the tile's
+ * dozens of instructions. The llvm-mca harnesses (csrc/mca_*.c) model the loop with the default as a constant. */
+#ifdef LUT_PREFETCH_CONSTANT
+#define lut_prefetch_far LUT_PREFETCH_FAR
+#else
 extern int lut_prefetch_far;
+#endif
 /* Scales and zeros (elements ahead; a row block's group is 16 of each): 2 KB and 1 KB, as far ahead
  * in time as 16 KB of weights at 2 bits. A quarter of that cost int2 bandwidth; anywhere from half to
  * twice it measures alike (docs/performance.md, "LUT-GEMV prefetch"). */

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,6 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from npumoe.bench.scale import CACHE, QWEN3_30B_A3B, mapped_reader, write_random_checkpoint
+from npumoe.bench.weight_bytes import npumoe_decode_bytes
 from npumoe.core.base.native import native_output_silenced
 from npumoe.core.base.progress import task
 
@@ -100,27 +100,6 @@ class LlamaRunner:
 
         logits = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
         return int(np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).argmax())
-
-
-def npumoe_decode_bytes(model) -> int:
-    """Weight bytes one decode token reads as npumoe holds them: every matrix but the embedding (one row),
-    and top-k of E experts per layer; packed experts at their packed size."""
-    weights, spec = model.weights, model.spec
-    packed = getattr(weights, "packed", {})
-    total = 0.0
-    for name in weights:
-        if name == "embed.weight":
-            continue
-        if name in packed:
-            size = sum(b.nbytes for b in packed[name].buffers())
-        else:
-            size = math.prod(weights.source(name).shape) * (4 if len(weights.source(name).shape) == 1 else
-                                                            weights.dtype.itemsize)
-        if ".experts." in name:
-            moe = spec.layers[int(name.split(".")[1])].ffn
-            size *= moe.router.top_k / moe.num_experts
-        total += size
-    return int(total)
 
 
 def gguf_decode_bytes(path: Path) -> int:

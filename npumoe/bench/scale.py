@@ -201,7 +201,7 @@ def decode_rate_bound(ckpt: Path) -> dict:
 def int4_decode_bound(int4: Path, ckpt: Path) -> dict:
     """The same for the quantised checkpoint as npumoe.load holds it by default (packed matrices at their packed
     size, the rest in the compute dtype it chose), against the read bandwidth of the source's mapped weights."""
-    from npumoe.bench.cpu import npumoe_decode_bytes
+    from npumoe.bench.weight_bytes import npumoe_decode_bytes
     from npumoe.models.loader import load
 
     weight_bytes = npumoe_decode_bytes(load(int4))

@@ -26,6 +26,7 @@ from pathlib import Path
 from npumoe.core.base.errors import InputError
 
 STAGING_TAG = "npumoe"
+ASIDE = "old"  # the suffix of an earlier output moved aside while its replacement is renamed in
 
 
 @dataclass(frozen=True)
@@ -123,17 +124,23 @@ def staging_prefix(path: Path) -> str:
 
 
 def remove_stale_staging(path: Path) -> None:
-    """Delete temporaries beside ``path`` whose writing process is gone (a killed or crashed run)."""
+    """Delete temporaries beside ``path`` whose writing process is gone (a killed or crashed run); an earlier
+    output such a run had moved aside (:func:`_swap_in`) is put back first if nothing took its place."""
     parent, head = path.parent, f".{path.name}.{STAGING_TAG}-"
     if not parent.is_dir():
         return
+    leftovers = []
     for leftover in parent.iterdir():
         pid = leftover.name[len(head):].split("-", 1)[0] if leftover.name.startswith(head) else ""
         if pid.isdigit() and not _alive(int(pid)):
-            if leftover.is_dir() and not leftover.is_symlink():
-                shutil.rmtree(leftover, ignore_errors=True)
-            else:
-                leftover.unlink(missing_ok=True)
+            leftovers.append(leftover)
+    for leftover in leftovers:
+        if leftover.name.endswith(f"-{ASIDE}") and not os.path.lexists(path):
+            leftover.rename(path)  # killed between _swap_in's renames: the earlier output is whole
+        elif leftover.is_dir() and not leftover.is_symlink():
+            shutil.rmtree(leftover, ignore_errors=True)
+        else:
+            leftover.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:
@@ -162,11 +169,13 @@ def staged_directory(path: str | Path) -> Iterator[Path]:
 
 
 def _swap_in(new: Path, dest: Path) -> None:
-    """Rename ``new`` to ``dest``; an earlier ``dest`` is moved aside first and deleted only afterwards."""
+    """Rename ``new`` to ``dest``; an earlier ``dest`` is moved aside first and deleted only afterwards. A kill
+    between the two renames leaves no ``dest`` but the earlier one whole, aside: the next claim of ``dest`` puts it
+    back (:func:`remove_stale_staging`)."""
     if not dest.exists():
         new.rename(dest)
         return
-    old = dest.with_name(staging_prefix(dest) + "old")
+    old = dest.with_name(staging_prefix(dest) + ASIDE)
     dest.rename(old)
     new.rename(dest)
     shutil.rmtree(old, ignore_errors=True)

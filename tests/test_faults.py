@@ -7,9 +7,19 @@ and accepted by the next command (docs/reliability.md).
 import itertools
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
 
+import pytest
+
+import npumoe
+from npumoe.core.base.errors import InputError
 from npumoe.core.base.io import atomic_write_text
-from npumoe.core.base.outputs import OutputKind, claim, json_kind, remove_stale_staging, staged_directory
+from npumoe.core.base.outputs import OutputKind, claimed, json_kind, lock_file, remove_stale_staging, staged_directory
 
 OUTPUT = OutputKind("a test output", directory=True, recognise=lambda path: json_kind("test")(path / "manifest.json"))
 FILE_CHANGES = ("rename", "replace", "unlink", "rmdir")  # what a write does to the file system, step by step
@@ -17,8 +27,7 @@ FILE_CHANGES = ("rename", "replace", "unlink", "rmdir")  # what a write does to 
 
 def write_output(out, version: int, files: int = 3) -> None:
     """An output of ``files`` files, its manifest written last, as every npumoe directory output is."""
-    claim(out, OUTPUT)
-    with staged_directory(out) as staging:
+    with claimed(out, OUTPUT), staged_directory(out) as staging:
         for i in range(files):
             (staging / f"part{i}.bin").write_bytes(bytes([version]) * 1000)
         atomic_write_text(staging / "manifest.json", json.dumps({"kind": "test", "version": version}))
@@ -74,3 +83,86 @@ def test_a_kill_at_any_step_of_a_replace_leaves_the_old_or_the_new_output_whole(
         assert os.listdir(out.parent) == ["out"] and contents(out) == old
     assert "old" in seen[1:] and "new" in seen, f"the kills never fell between the swap's renames: {seen}"
     assert contents(out) == new
+
+
+HOLDER = ("import sys\nfrom pathlib import Path\nfrom npumoe.core.base.outputs import OutputKind, claim\n"
+          "claim(sys.argv[1], OutputKind('anything', sys.argv[2] == 'dir', lambda p: True))\n"
+          "print('held', flush=True)\nsys.stdin.read()\n")
+
+
+@contextmanager
+def held(out, directory: bool):
+    """Another process holding ``out``'s claim for the length of the block."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out), "dir" if directory else "file"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield holder.pid
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return npumoe.load()
+
+
+@pytest.fixture(scope="module")
+def demo_plan(demo):
+    from npumoe.core.runtime.calibrate import calibrate
+
+    profile = calibrate(demo, [list(b"def f(x):\n    return x * 2\n" * 6)], chunk=16)
+    return profile, npumoe.plan(demo, profile, target="cpu", residency="npu")
+
+
+def writers(demo, demo_plan):
+    """Every kind of writer over core/base/outputs, with whether it writes a directory."""
+    from npumoe.core.compiler.artifacts import build
+    from npumoe.core.tools.export import export
+    from npumoe.models.checkpoints.quantize import quantize_checkpoint
+    from npumoe.models.loader import DEMO_DIR
+
+    profile, cpu_plan = demo_plan
+    return {"profile": (False, profile.save), "plan": (False, cpu_plan.save),
+            "build": (True, lambda out: build(demo, cpu_plan, "cpu", out, max_context=32)),
+            "export": (True, lambda out: export(demo, "cpu", out)),
+            "quantize": (True, lambda out: quantize_checkpoint(DEMO_DIR, out, bits=4, group=32))}
+
+
+@pytest.mark.parametrize("writer", ["profile", "plan", "build", "export", "quantize"])
+def test_a_second_writer_is_refused_naming_the_first(writer, demo, demo_plan, tmp_path):
+    directory, write = writers(demo, demo_plan)[writer]
+    out = tmp_path / "out"
+    with held(out, directory) as pid, pytest.raises(InputError) as refused:
+        write(out)
+    assert str(refused.value) == (f"--out {out} is being written by another npumoe process (pid {pid}); wait for it "
+                                  "to finish, or choose another path.")
+    assert os.listdir(tmp_path) == []  # nothing written, and the holder's lock gone with it
+
+
+def test_two_npumoe_processes_on_one_out(demo_plan, tmp_path):
+    """A real second `npumoe calibrate` on the --out a first one is writing exits 2 in one line naming the first;
+    the first, killed, leaves no claim behind: the next writer gets the path."""
+    text = tmp_path / "text.txt"
+    text.write_text("def f(x):\n    return x * 2\n" * 4)
+    out = tmp_path / "profile.json"
+    argv = [str(Path(sys.executable).with_name("npumoe")), "calibrate", "--text", str(text), "--chunk", "16",
+            "--out", str(out)]
+    first = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while lock_file(out).is_file() is False or lock_file(out).read_text().strip() != str(first.pid):
+            assert first.poll() is None and time.monotonic() < deadline, "the first writer never claimed --out"
+            time.sleep(0.01)
+        os.kill(first.pid, signal.SIGSTOP)  # mid-write, for as long as the second one runs
+        second = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2 and second.stderr == (
+            f"error: --out {out} is being written by another npumoe process (pid {first.pid}); wait for it to "
+            "finish, or choose another path.\n")
+    finally:
+        first.kill()
+        first.wait()
+    assert not out.exists()
+    demo_plan[0].save(out)
+    assert sorted(os.listdir(tmp_path)) == ["profile.json", "text.txt"]

@@ -12,7 +12,7 @@ from cli_check import cli_error
 
 import npumoe
 from npumoe.core.base.errors import ArtifactError, InputError
-from npumoe.core.base.outputs import claim, staged_directory, staging_prefix
+from npumoe.core.base.outputs import claimed, staged_directory, staging_prefix
 from npumoe.core.compiler.artifacts import ARTIFACTS, MANIFEST, read_manifest
 from npumoe.core.planning.plan import PLAN, plan
 from npumoe.core.runtime.calibrate import calibrate
@@ -87,12 +87,11 @@ def test_a_directory_is_swapped_in_whole_and_only_when_complete(tmp_path):
     out.mkdir()
     (out / MANIFEST).write_text(json.dumps({"kind": "npumoe.Artifacts"}))
     (out / "old.bin").write_text("old")
-    claim(out, ARTIFACTS)
-    with pytest.raises(RuntimeError), staged_directory(out) as staging:
+    with pytest.raises(RuntimeError), claimed(out, ARTIFACTS), staged_directory(out) as staging:
         (staging / "half.bin").write_text("half")
         raise RuntimeError("killed mid-build")
     assert sorted(os.listdir(out)) == ["manifest.json", "old.bin"] and os.listdir(tmp_path) == ["build"]
-    with staged_directory(out) as staging:
+    with claimed(out, ARTIFACTS), staged_directory(out) as staging:
         (staging / "new.bin").write_text("new")
     assert os.listdir(out) == ["new.bin"] and os.listdir(tmp_path) == ["build"]
 
@@ -104,7 +103,8 @@ def test_a_killed_runs_leftovers_are_removed_by_the_next_run(tmp_path):
     (tmp_path / f".plan.json.npumoe-{2 ** 22 + 7}-x.tmp").write_text("half")
     live = tmp_path / (staging_prefix(out) + "abc")
     live.mkdir()
-    claim(out, PLAN)
+    with claimed(out, PLAN):
+        pass
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
 
 

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from npumoe.core.base.errors import ArtifactError, InputError
-from npumoe.core.base.outputs import staging_prefix, temporary_file
+from npumoe.core.base.outputs import OutputKind, claimed, staging_prefix, temporary_file
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
@@ -26,6 +26,12 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def write_output(path: str | Path, kind: OutputKind, data: bytes | str, option: str = "--out") -> Path:
+    """Write a whole one-file output (a plan, a profile, a figure, a trace, a report): claimed, then atomic."""
+    with claimed(path, kind, option) as path:
+        return atomic_write_bytes(path, data.encode("utf-8") if isinstance(data, str) else data)
 
 
 def sha256_file(path: Path) -> str:

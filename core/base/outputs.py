@@ -4,7 +4,8 @@ Every command that writes a path (build, quantize, calibrate, plan, plots, trace
 :func:`claim` before any work starts, so a mistyped ``--out`` never deletes the user's own files
 and an unwritable one fails in the first second instead of after minutes of work. Files are
 written to a temporary sibling and renamed; directories are produced in a staging sibling and
-swapped in when complete. Temporaries carry the writer's process id, so the next run that writes
+swapped in when complete. One process at a time writes a path: :func:`claim` takes a lock beside it, and a
+second writer is refused naming the first. Temporaries carry the writer's process id, so the next run that writes
 the same path removes what a killed run left behind, and never what a live one is writing. They are
 created as a plain ``open()`` or ``mkdir`` would create the output itself, under the user's umask (tempfile's
 are private, 0600 and 0700, and would stay so once renamed into place).
@@ -12,7 +13,9 @@ are private, 0600 and 0700, and would stay so once renamed into place).
 
 from __future__ import annotations
 
+import atexit
 import errno
+import fcntl
 import json
 import os
 import secrets
@@ -55,12 +58,85 @@ def json_kind(kind: str) -> Callable[[Path], bool]:
 
 def claim(path: str | Path, kind: OutputKind, option: str = "--out") -> Path:
     """Check before any work that ``path`` may be written as ``kind``: refuse anything that is not new or an
-    earlier output of the same kind, and any location that cannot be written; tidy a killed run's leftovers."""
+    earlier output of the same kind, any location that cannot be written, and a path another process is writing;
+    tidy a killed run's leftovers. The claim holds until :func:`release` (:func:`claimed` releases it when the
+    write ends) or the process exits."""
     path = Path(path)
-    remove_stale_staging(path)
-    _refuse_foreign(path, kind, option)
     _check_writable(path, option)
+    path.parent.mkdir(parents=True, exist_ok=True)  # the lock lives beside the output
+    _lock(path, option)
+    try:
+        remove_stale_staging(path)
+        _refuse_foreign(path, kind, option)
+    except BaseException:
+        release(path)
+        raise
     return path
+
+
+@contextmanager
+def claimed(path: str | Path, kind: OutputKind, option: str = "--out") -> Iterator[Path]:
+    """:func:`claim` for the length of a block that writes ``path``, released however the block ends."""
+    path = claim(path, kind, option)
+    try:
+        yield path
+    finally:
+        release(path)
+
+
+_HELD: dict[str, tuple[int, int]] = {}  # lock file → (pid, open descriptor), for each output claimed here
+
+
+def lock_file(path: Path) -> Path:
+    """The lock beside ``path`` that one writer at a time holds (flock), holding its pid for the others' message."""
+    return Path(path).with_name(f".{Path(path).name}.{STAGING_TAG}-lock")
+
+
+def _lock(path: Path, option: str) -> None:
+    """Take ``path``'s lock, or refuse naming the process that holds it. A lock removed by its releasing holder
+    while this one opened it is taken afresh: only the file at the lock's name counts."""
+    lock = lock_file(path)
+    key = os.path.realpath(lock)
+    while key not in _HELD:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip()
+            os.close(fd)
+            raise InputError(f"{option} {path} is being written by another npumoe process"
+                             f"{f' (pid {holder})' if holder.isdigit() else ''}; wait for it to finish, or choose "
+                             "another path.") from None
+        try:
+            current = os.stat(lock).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            current = False
+        if not current:
+            os.close(fd)
+            continue
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        _HELD[key] = os.getpid(), fd
+
+
+def release(path: str | Path) -> None:
+    """Give up this process's claim on ``path`` (nothing if it holds none): the lock file goes, then the lock."""
+    _unlock(os.path.realpath(lock_file(Path(path))))
+
+
+def _unlock(lock: str) -> None:
+    owner, fd = _HELD.pop(lock, (None, None))
+    if owner == os.getpid():  # a forked child shares its parent's lock, and leaves it to the parent
+        Path(lock).unlink(missing_ok=True)
+    if fd is not None:
+        os.close(fd)
+
+
+@atexit.register
+def _release_all() -> None:
+    """A process that exits holding claims (a command refused after its early claim) leaves no lock files."""
+    for lock in list(_HELD):
+        _unlock(lock)
 
 
 def _refuse_foreign(path: Path, kind: OutputKind, option: str) -> None:
@@ -92,6 +168,13 @@ def _check_writable(path: Path, option: str) -> None:
     except OSError as err:
         raise InputError(f"{option} {path} cannot be written ({err.strerror} in {ancestor}); choose a writable "
                          "location.") from None
+
+
+def _nearest_existing(path: Path) -> Path:
+    ancestor = Path(path).absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    return ancestor
 
 
 def temporary_file(parent: Path, prefix: str, suffix: str = "") -> tuple[int, Path]:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from npumoe.core.base.errors import BackendUnavailableError, InputError
-from npumoe.core.base.outputs import OutputKind, claim, json_kind, staged_directory
+from npumoe.core.base.outputs import OutputKind, claimed, json_kind, staged_directory
 from npumoe.core.compiler.program import build_program
 from npumoe.core.ir.backend import ProgramTarget, plugin, plugin_object, plugins
 from npumoe.core.ir.rope import short_context
@@ -63,43 +63,43 @@ def context_length(spec, max_context: int | None) -> int:
 def export(model, target: str, out: str | Path, plan=None, chunk: int | None = None, max_context: int | None = None,
            report: Callable[[str], None] = lambda line: None) -> dict:
     """Write ``out`` (see the module docstring) and return its manifest; ``chunk`` is the plan's where there is one."""
-    out = claim(out, EXPORT)
-    record = program_target(target)
-    if getattr(model.weights, "packed", None):
-        raise InputError(f"{model.name} holds quantised (packed) matrices, which npumoe export does not take yet; "
-                         "export the unquantised checkpoint.")
-    if plan is not None:
-        plan.check_model(model)
-        if plan.overflow != "spill":
-            raise InputError(f"this plan's overflow policy is {plan.overflow}, but an exported program computes every "
-                             "routed pair (spill); make the plan with npumoe plan --overflow spill.")
-        chunk = plan.chunk
-    runner = native_runner.runner(target, record.libraries)  # first: a missing compiler is found in seconds
-    program = build_program(model.spec, chunk=chunk or DEFAULT_CHUNK, max_context=context_length(model.spec,
-                                                                                                  max_context),
-                            plan=plan)
-    tokenizer = next((model.path / name for name in TOKENIZER_FILES if (model.path / name).is_file()), None)
-    constants = program_metadata(model, program, target)
-    manifest = {"kind": KIND, **constants, "model": model.name,
-                "fingerprint": model.fingerprint, "weights": model.weights_fingerprint(),
-                "plan": None if plan is None else {"target": plan.target, "method": plan.method,
-                                                   "overflow": plan.overflow},
-                "methods": methods(program, record.device), "tokenizer": tokenizer and tokenizer.name,
-                "runner": RUNNER}
-    report(f"exporting {model.name}: {model.spec.num_layers} layers, chunk {program.chunk}, context "
-           f"{program.max_context}, {'plan for ' + plan.target if plan else 'no plan'}")
-    start = time.perf_counter()
-    partitioners = plugin_object(plugin(target), record.partitioners)()
-    data = lower(WholeModel(program, model.weights).eval(), partitioners, constants)
-    manifest["export_seconds"] = round(time.perf_counter() - start, 1)
-    with staged_directory(out) as staging:
-        (staging / PROGRAM).write_bytes(data)
-        shutil.copy2(runner, staging / RUNNER)
-        if tokenizer is not None:
-            shutil.copy2(tokenizer, staging / tokenizer.name)
-        manifest["files"] = {p.name: p.stat().st_size for p in sorted(staging.iterdir())}
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    return manifest
+    with claimed(out, EXPORT) as out:
+        record = program_target(target)
+        if getattr(model.weights, "packed", None):
+            raise InputError(f"{model.name} holds quantised (packed) matrices, which npumoe export does not take yet; "
+                             "export the unquantised checkpoint.")
+        if plan is not None:
+            plan.check_model(model)
+            if plan.overflow != "spill":
+                raise InputError(f"this plan's overflow policy is {plan.overflow}, but an exported program computes every "
+                                 "routed pair (spill); make the plan with npumoe plan --overflow spill.")
+            chunk = plan.chunk
+        runner = native_runner.runner(target, record.libraries)  # first: a missing compiler is found in seconds
+        program = build_program(model.spec, chunk=chunk or DEFAULT_CHUNK, max_context=context_length(model.spec,
+                                                                                                      max_context),
+                                plan=plan)
+        tokenizer = next((model.path / name for name in TOKENIZER_FILES if (model.path / name).is_file()), None)
+        constants = program_metadata(model, program, target)
+        manifest = {"kind": KIND, **constants, "model": model.name,
+                    "fingerprint": model.fingerprint, "weights": model.weights_fingerprint(),
+                    "plan": None if plan is None else {"target": plan.target, "method": plan.method,
+                                                       "overflow": plan.overflow},
+                    "methods": methods(program, record.device), "tokenizer": tokenizer and tokenizer.name,
+                    "runner": RUNNER}
+        report(f"exporting {model.name}: {model.spec.num_layers} layers, chunk {program.chunk}, context "
+               f"{program.max_context}, {'plan for ' + plan.target if plan else 'no plan'}")
+        start = time.perf_counter()
+        partitioners = plugin_object(plugin(target), record.partitioners)()
+        data = lower(WholeModel(program, model.weights).eval(), partitioners, constants)
+        manifest["export_seconds"] = round(time.perf_counter() - start, 1)
+        with staged_directory(out) as staging:
+            (staging / PROGRAM).write_bytes(data)
+            shutil.copy2(runner, staging / RUNNER)
+            if tokenizer is not None:
+                shutil.copy2(tokenizer, staging / tokenizer.name)
+            manifest["files"] = {p.name: p.stat().st_size for p in sorted(staging.iterdir())}
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        return manifest
 
 
 def program_metadata(model, program, target: str) -> dict:

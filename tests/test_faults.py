@@ -4,19 +4,25 @@ Whatever happens, an output is absent, the earlier complete one, or the new comp
 and accepted by the next command (docs/reliability.md).
 """
 
+import errno
 import itertools
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from cli_check import cli_error
 
 import npumoe
+from npumoe.cli import main
 from npumoe.core.base.errors import InputError
 from npumoe.core.base.io import atomic_write_text
 from npumoe.core.base.outputs import OutputKind, claimed, json_kind, lock_file, remove_stale_staging, staged_directory
@@ -166,3 +172,85 @@ def test_two_npumoe_processes_on_one_out(demo_plan, tmp_path):
     assert not out.exists()
     demo_plan[0].save(out)
     assert sorted(os.listdir(tmp_path)) == ["profile.json", "text.txt"]
+
+
+def test_quantize_refuses_a_disk_without_room_before_any_work(tmp_path, capsys, monkeypatch):
+    """The room quantize asks for is what its weights then take in the file (the header aside), and a file system
+    with less is refused in one line naming both, before a tensor is read."""
+    from npumoe.models.checkpoints import lut as checkpoint
+    from npumoe.models.loader import DEMO_DIR
+
+    main(["quantize", "--model", str(DEMO_DIR), "--bits", "4", "--out", str(tmp_path / "q")])
+    with open(tmp_path / "q" / checkpoint.WEIGHTS_FILE, "rb") as f:
+        data = os.fstat(f.fileno()).st_size - 8 - int.from_bytes(f.read(8), "little")
+    written = []
+    monkeypatch.setattr("npumoe.models.checkpoints.quantize.check_free_space", lambda out, need: written.append(need))
+    monkeypatch.setattr("npumoe.models.checkpoints.quantize._write_weights", lambda *a: pytest.fail("work started"))
+    with pytest.raises(BaseException, match="work started"):
+        main(["quantize", "--model", str(DEMO_DIR), "--bits", "4", "--out", str(tmp_path / "q2")])
+    assert written == [data]
+    monkeypatch.undo()
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=data // 2))
+    monkeypatch.setattr("npumoe.models.checkpoints.quantize._write_weights", lambda *a: pytest.fail("work started"))
+    assert cli_error(capsys, "quantize", "--model", str(DEMO_DIR), "--bits", "4", "--out", str(tmp_path / "q2")) == (
+        f"error: --out {tmp_path / 'q2'} needs about {data / 1e6:,.1f} MB but {tmp_path} has {data // 2 / 1e6:,.1f} "
+        "MB free; free some space or choose another location.")
+    assert sorted(os.listdir(tmp_path)) == ["q"]
+
+
+def test_a_disk_filling_up_mid_write_is_one_line_and_keeps_the_earlier_output(tmp_path, capsys, monkeypatch):
+    from npumoe.core.ir.tensorfile import SafetensorsWriter
+    from npumoe.models.loader import DEMO_DIR
+
+    out = tmp_path / "q"
+    main(["quantize", "--model", str(DEMO_DIR), "--bits", "4", "--out", str(out)])
+    before = contents(out)
+    add, added = SafetensorsWriter.add, []
+
+    def add_until_full(self, name, tensor):
+        if len(added) == 5:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        added.append(name)
+        add(self, name, tensor)
+
+    monkeypatch.setattr(SafetensorsWriter, "add", add_until_full)
+    err = cli_error(capsys, "quantize", "--model", str(DEMO_DIR), "--bits", "3", "--out", str(out))
+    assert err.startswith(f"error: the disk filled up while writing {out} (No space left on device;") and err.endswith(
+        "free some space and run again."), err
+    assert os.listdir(tmp_path) == ["q"] and contents(out) == before
+
+
+@pytest.fixture
+def tiny_disk():
+    """A real 1 MiB tmpfs, where the kernel itself says no space left (outside pytest's temporary directories,
+    which another session may rename while it is mounted)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root and mount(8)")
+    mount = Path(tempfile.mkdtemp(prefix="npumoe-tiny-disk-"))
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True,
+                          text=True)
+    if done.returncode:
+        mount.rmdir()
+        pytest.skip(f"mounting a tmpfs is not permitted here: {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "--lazy", str(mount)], check=True)  # lazy: detached even if something holds it
+    mount.rmdir()
+
+
+def test_a_real_full_disk(tiny_disk, demo_plan, capsys):
+    """On a 1 MiB tmpfs: quantize (a 2.1 MB output) is refused before it starts; once the disk is full, a plan's
+    write fails in one line and leaves nothing of itself."""
+    from npumoe.models.loader import DEMO_DIR
+
+    err = cli_error(capsys, "quantize", "--model", str(DEMO_DIR), "--bits", "4", "--out", str(tiny_disk / "q"))
+    assert re.search(r"needs about [\d.]+ MB but .* has 1\.\d MB free", err), err
+    with open(tiny_disk / "filler", "wb") as filler:
+        with pytest.raises(OSError) as full:
+            while True:
+                filler.write(b"\0" * 65536)
+                filler.flush()
+    assert full.value.errno == errno.ENOSPC
+    with pytest.raises(InputError, match=f"the disk filled up while writing {tiny_disk / 'plan.json'}"):
+        demo_plan[1].save(tiny_disk / "plan.json")
+    assert os.listdir(tiny_disk) == ["filler"]

@@ -29,6 +29,7 @@ from pathlib import Path
 from npumoe.core.base.errors import InputError
 
 STAGING_TAG = "npumoe"
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 ASIDE = "old"  # the suffix of an earlier output moved aside while its replacement is renamed in
 
 
@@ -114,9 +115,12 @@ def _lock(path: Path, option: str) -> None:
         if not current:
             os.close(fd)
             continue
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         _HELD[key] = os.getpid(), fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except OSError:  # a full disk: the lock holds without the pid the others' message would name
+            pass
 
 
 def release(path: str | Path) -> None:
@@ -156,9 +160,7 @@ def _refuse_foreign(path: Path, kind: OutputKind, option: str) -> None:
 def _check_writable(path: Path, option: str) -> None:
     """Create and remove a file where the output will go (its nearest existing ancestor): the only test that
     sees read-only file systems, permissions and full disks alike."""
-    ancestor = path.absolute().parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
+    ancestor = _nearest_existing(path)
     if not ancestor.is_dir():
         raise InputError(f"{option} {path} cannot be created: {ancestor} is a file, not a directory.")
     try:
@@ -175,6 +177,27 @@ def _nearest_existing(path: Path) -> Path:
     while not ancestor.exists():
         ancestor = ancestor.parent
     return ancestor
+
+
+def check_free_space(path: str | Path, need: float, option: str = "--out") -> None:
+    """Refuse before the work an output of about ``need`` bytes that ``path``'s file system has no room for (an
+    earlier output there stays until the new one is complete, so it frees nothing)."""
+    where = _nearest_existing(Path(path))
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise InputError(f"{option} {path} needs about {_mb(need)} but {where} has {_mb(free)} free; free some space "
+                         "or choose another location.")
+
+
+def disk_full(err: OSError, path: Path) -> InputError:
+    """The one line for a file system that filled up (or a quota reached) while ``path`` was written."""
+    where = _nearest_existing(Path(path))
+    return InputError(f"the disk filled up while writing {path} ({err.strerror}; {_mb(shutil.disk_usage(where).free)} "
+                      f"free in {where}); nothing half-written was kept: free some space and run again.")
+
+
+def _mb(size: float) -> str:
+    return f"{size / 1e6:,.1f} MB"
 
 
 def temporary_file(parent: Path, prefix: str, suffix: str = "") -> tuple[int, Path]:
@@ -243,11 +266,20 @@ def staged_directory(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = temporary_directory(path.parent, staging_prefix(path))
-    try:
+    with undone_on_failure(path, lambda: shutil.rmtree(staging, ignore_errors=True)):
         yield staging
         _swap_in(staging, path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def undone_on_failure(path: Path, undo: Callable[[], None]) -> Iterator[None]:
+    """``undo()`` (remove the staging) if the block writing ``path`` fails; a full disk becomes one line."""
+    try:
+        yield
+    except BaseException as err:
+        undo()
+        if isinstance(err, OSError) and err.errno in DISK_FULL:
+            raise disk_full(err, path) from None
         raise
 
 

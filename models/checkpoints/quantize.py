@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from npumoe.core.base.errors import InputError
-from npumoe.core.base.outputs import OutputKind, claimed, json_object, staged_directory
+from npumoe.core.base.outputs import OutputKind, check_free_space, claimed, json_object, staged_directory
 from npumoe.core.base.progress import track
 from npumoe.core.ir.tensorfile import SafetensorsWriter
 from npumoe.core.ir.weights import Weights
@@ -84,6 +85,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int,
         info = checkpoint.section(bits, group, symmetric, linears, head_bits if checkpoint.HEAD in names else None)
         bits_of = {name: head_bits if name == checkpoint.HEAD and head_bits is not None else bits for name in names}
         plain = {k: v for k, v in cfg.items() if k != "quantization_config"}  # the source's format is gone
+        check_free_space(out, output_bytes(weights, bits_of, group))
         with staged_directory(out) as staging:
             _write_weights(staging / checkpoint.WEIGHTS_FILE, weights, bits_of, group, symmetric, progress)
             for file in src.iterdir():
@@ -112,6 +114,13 @@ def _write_weights(path: Path, weights: Weights, packed: dict[str, int], group: 
     except BaseException:
         writer.abort()
         raise
+
+
+def output_bytes(weights: Weights, packed: dict[str, int], group: int) -> int:
+    """The quantised weights' bytes, known before any is written: packed matrices in the format, the rest as stored."""
+    sources = {name: weights.source(name) for name in weights}
+    return sum(spec.packed_bytes(packed[name], group, s.shape) if name in packed
+               else math.prod(s.shape) * s.dtype.itemsize for name, s in sources.items())
 
 
 def kept(name: str) -> bool:

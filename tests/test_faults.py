@@ -254,3 +254,45 @@ def test_a_real_full_disk(tiny_disk, demo_plan, capsys):
     with pytest.raises(InputError, match=f"the disk filled up while writing {tiny_disk / 'plan.json'}"):
         demo_plan[1].save(tiny_disk / "plan.json")
     assert os.listdir(tiny_disk) == ["filler"]
+
+
+def process_states() -> dict[int, tuple[int, str]]:
+    """Every process's parent and state (R, S, Z, ...) from /proc."""
+    states = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        states[int(stat.parent.name)] = int(fields[1]), fields[0]
+    return states
+
+
+def living(pids) -> set[int]:
+    states = process_states()
+    return {pid for pid in pids if pid in states and states[pid][1] not in "ZX"}
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="reads processes from /proc")
+def test_a_killed_build_takes_its_workers_with_it(demo, demo_plan, tmp_path):
+    pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed (pip install 'npumoe[htp]')")
+    plan_path = npumoe.plan(demo, demo_plan[0], target="htp", residency="npu").save(tmp_path / "plan.json")
+    build = subprocess.Popen([str(Path(sys.executable).with_name("npumoe")), "build", "--plan", str(plan_path),
+                              "--target", "htp", "--out", str(tmp_path / "build"), "--jobs", "2"],
+                             env={**os.environ, "NPUMOE_BUILD_CACHE": str(tmp_path / "cache")},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers := {pid for pid, (parent, _) in process_states().items() if parent == build.pid}) < 2:
+            assert build.poll() is None and time.monotonic() < deadline, "the build never started its 2 workers"
+            time.sleep(0.01)
+    finally:
+        build.kill()
+        build.wait()
+    deadline = time.monotonic() + 5
+    while living(workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survivors = living(workers)
+    for pid in survivors:  # not left behind when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"workers {sorted(survivors)} outlived their killed build"

@@ -10,6 +10,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -427,3 +428,39 @@ def test_killed_build(demo, demo_plan, tmp_path):
     (tmp_path / "work").mkdir()
     check_kills(tmp_path / "work" / "build", ARTIFACTS, argv, kill_points([("writing", 0.0)], "build"),
                 lambda out: shutil.copytree(tmp_path / "old", out), accept, "new")
+
+
+# --------------------------------------------------------------------------- resource bounds
+MEMORY_LIMIT = 4 << 30  # the bytes a refused input may drive the process to: a failure here stays harmless
+
+
+def npumoe_bounded(*argv) -> subprocess.CompletedProcess:
+    """``npumoe *argv`` in a process held to MEMORY_LIMIT of address space and a minute: an input that drives memory
+    up fails this way instead of taking the machine."""
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))  # noqa: E731
+    return subprocess.run([str(Path(sys.executable).with_name("npumoe")), *argv], capture_output=True, text=True,
+                          timeout=60, preexec_fn=limit)
+
+
+@pytest.mark.parametrize("key", ["num_hidden_layers", "num_local_experts", "vocab_size"])
+def test_config_sizes_beyond_the_weights_are_refused_before_any_allocation(key, tmp_path):
+    """10^8 layers or experts built a spec of gigabytes (a MemoryError after 50 s) before the weights were found
+    missing; now the config is refused against the bytes of weights beside it."""
+    from npumoe.models.loader import DEMO_DIR
+
+    model = shutil.copytree(DEMO_DIR, tmp_path / "model")
+    cfg = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**cfg, key: 10**8}))
+    done = npumoe_bounded("generate", "--model", str(model), "-n", "1", "--prompt", "hi")
+    assert done.returncode == 2 and done.stderr.startswith(f"error: {model / 'config.json'}'s {key} is 100000000, "
+                                                           "more than the 13.5 MB of weights beside it"), done.stderr
+
+
+@pytest.mark.parametrize("field, value", [("alignment", 2**40), ("chunk", 10**9)])
+def test_plan_sizes_beyond_this_machine_are_refused_before_any_allocation(field, value, demo_plan, tmp_path):
+    """An edited plan's alignment once drove a process to 24 GB; it and a chunk of 10^9 are one line now."""
+    plan = json.loads(demo_plan[1].save(tmp_path / "plan.json").read_text())
+    (tmp_path / "plan.json").write_text(json.dumps({**plan, field: value}))
+    done = npumoe_bounded("generate", "--plan", str(tmp_path / "plan.json"), "-n", "1", "--prompt", "hi")
+    assert done.returncode == 2 and done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1
+    assert f"{field} {value}" in done.stderr or f"--{field} {value}" in done.stderr, done.stderr

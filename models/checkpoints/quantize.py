@@ -62,7 +62,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int,
         raise InputError(f"{src} is a GPTQ export, which npumoe loads as it is (routed experts run packed on the LUT "
                          "kernels); quantise the original checkpoint instead to choose other bits.")
     stored_format(cfg)  # FP8 and MXFP4 sources are widened tensor by tensor; other quantisations refused
-    adapter, model_spec = config_spec(cfg, str(src / "config.json"))
+    adapter, model_spec = config_spec(cfg, str(src / "config.json"), src)
     if linears not in checkpoint.LINEARS:
         raise InputError(f"--linears {linears!r} is not one of {', '.join(checkpoint.LINEARS)}.")
     spec.check_format(bits, group, symmetric=symmetric)

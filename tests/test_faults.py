@@ -432,35 +432,61 @@ def test_killed_build(demo, demo_plan, tmp_path):
 
 # --------------------------------------------------------------------------- resource bounds
 MEMORY_LIMIT = 4 << 30  # the bytes a refused input may drive the process to: a failure here stays harmless
+REFUSALS = """import sys
+import npumoe
+for arg in sys.argv[1:]:
+    try:
+        npumoe.Engine(npumoe.load(), plan=npumoe.Plan.load(arg)) if arg.endswith(".json") else npumoe.load(arg)
+        print("accepted")
+    except npumoe.NpumoeError as err:
+        print(err)
+"""
 
 
-def npumoe_bounded(*argv) -> subprocess.CompletedProcess:
-    """``npumoe *argv`` in a process held to MEMORY_LIMIT of address space and a minute: an input that drives memory
-    up fails this way instead of taking the machine."""
+def refusals(*args) -> list[str]:
+    """What loading each model directory (or running each plan on the demo) says, in one process held to
+    MEMORY_LIMIT of address space and a minute: an input that drives memory up fails this way instead of taking
+    the machine."""
     limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))  # noqa: E731
-    return subprocess.run([str(Path(sys.executable).with_name("npumoe")), *argv], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", REFUSALS, *map(str, args)], capture_output=True, text=True,
                           timeout=60, preexec_fn=limit)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.splitlines()
 
 
-@pytest.mark.parametrize("key", ["num_hidden_layers", "num_local_experts", "vocab_size"])
-def test_config_sizes_beyond_the_weights_are_refused_before_any_allocation(key, tmp_path):
-    """10^8 layers or experts built a spec of gigabytes (a MemoryError after 50 s) before the weights were found
-    missing; now the config is refused against the bytes of weights beside it."""
+def test_sizes_beyond_the_weights_or_this_machine_are_refused_before_any_allocation(demo_plan, tmp_path):
+    """A config of 10^8 layers or experts built a spec of gigabytes (a MemoryError after 50 s) before the weights
+    were found missing, and an edited plan's alignment once drove a process to 24 GB: each is one line now, the
+    config's against the bytes of weights beside it, the plan's against its bounds and this machine's memory."""
     from npumoe.models.loader import DEMO_DIR
 
-    model = shutil.copytree(DEMO_DIR, tmp_path / "model")
-    cfg = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps({**cfg, key: 10**8}))
-    done = npumoe_bounded("generate", "--model", str(model), "-n", "1", "--prompt", "hi")
-    assert done.returncode == 2 and done.stderr.startswith(f"error: {model / 'config.json'}'s {key} is 100000000, "
-                                                           "more than the 13.5 MB of weights beside it"), done.stderr
-
-
-@pytest.mark.parametrize("field, value", [("alignment", 2**40), ("chunk", 10**9)])
-def test_plan_sizes_beyond_this_machine_are_refused_before_any_allocation(field, value, demo_plan, tmp_path):
-    """An edited plan's alignment once drove a process to 24 GB; it and a chunk of 10^9 are one line now."""
+    inputs, expected = [], []
+    for key in ("num_hidden_layers", "num_local_experts", "vocab_size"):
+        model = shutil.copytree(DEMO_DIR, tmp_path / key)
+        cfg = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**cfg, key: 10**8}))
+        inputs.append(model)
+        expected.append(f"{model / 'config.json'}'s {key} is 100000000, more than the 13.5 MB of weights beside it")
     plan = json.loads(demo_plan[1].save(tmp_path / "plan.json").read_text())
-    (tmp_path / "plan.json").write_text(json.dumps({**plan, field: value}))
-    done = npumoe_bounded("generate", "--plan", str(tmp_path / "plan.json"), "-n", "1", "--prompt", "hi")
-    assert done.returncode == 2 and done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1
-    assert f"{field} {value}" in done.stderr or f"--{field} {value}" in done.stderr, done.stderr
+    for field, value in (("alignment", 2**40), ("chunk", 10**9)):
+        (tmp_path / f"{field}.json").write_text(json.dumps({**plan, field: value}))
+        inputs.append(tmp_path / f"{field}.json")
+        expected.append(f"{field} {value}")
+    for said, part in zip(refusals(*inputs), expected, strict=True):
+        assert part in said, said
+
+
+def test_build_refuses_a_disk_without_room_for_its_plan(demo, demo_plan, tmp_path, capsys, monkeypatch):
+    """build's room is the plan's compiled weights as npumoe plan reports them (costmodel.footprint)."""
+    pytest.importorskip("onnxruntime_qnn", reason="onnxruntime-qnn is not installed (pip install 'npumoe[htp]')")
+    from npumoe.core.planning.costmodel import footprint
+
+    htp = npumoe.plan(demo, demo_plan[0], target="htp", residency="npu")
+    need = footprint(demo.spec, htp, 512).package_weight_bytes
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real(path)._replace(free=int(need) - 1))
+    monkeypatch.setattr("npumoe.core.compiler.artifacts.build", lambda *a, **k: pytest.fail("work started"))
+    assert cli_error(capsys, "build", "--plan", str(htp.save(tmp_path / "plan.json")), "--target", "htp", "--out",
+                     str(tmp_path / "build")) == (
+        f"error: --out {tmp_path / 'build'} needs about {need / 1e6:,.1f} MB but {tmp_path} has "
+        f"{(int(need) - 1) / 1e6:,.1f} MB free; free some space or choose another location.")

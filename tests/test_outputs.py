@@ -170,3 +170,18 @@ def test_a_symlink_out_of_the_artifact_is_refused(tmp_path):
     (path / "graphs").symlink_to("/etc")
     with pytest.raises(ArtifactError, match="'graphs/x.bin', which lies outside"):
         read_manifest(path)
+
+
+def test_the_current_directory_and_the_root_are_never_replaced(tmp_path, capsys, monkeypatch):
+    """`--out .` once had its staging renamed over the directory the user stood in (and failed after the work);
+    `--out /` had no name to put a lock beside. Both are one line before any work."""
+    from npumoe.models.loader import DEMO_DIR
+
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    for out in (".", ".."):
+        assert cli_error(capsys, "quantize", "--model", str(DEMO_DIR), "--out", out) == (
+            f"error: --out {out} holds the current directory; give a path inside it, such as ./out.")
+    assert cli_error(capsys, "calibrate", "--out", "/") == (
+        "error: --out / is the file system's root; give a path under it.")
+    assert os.listdir(tmp_path) == ["here"] and os.listdir(tmp_path / "here") == []

@@ -63,14 +63,19 @@ def claim(path: str | Path, kind: OutputKind, option: str = "--out") -> Path:
     tidy a killed run's leftovers. The claim holds until :func:`release` (:func:`claimed` releases it when the
     write ends) or the process exits."""
     path = Path(path)
+    absolute = Path(os.path.abspath(path))  # "." has no name to put a lock or staging beside
+    if not absolute.name:
+        raise InputError(f"{option} {path} is the file system's root; give a path under it.")
+    if Path.cwd().is_relative_to(absolute):  # replacing it would pull the directory out from under the user
+        raise InputError(f"{option} {path} holds the current directory; give a path inside it, such as ./out.")
     _check_writable(path, option)
-    path.parent.mkdir(parents=True, exist_ok=True)  # the lock lives beside the output
-    _lock(path, option)
+    absolute.parent.mkdir(parents=True, exist_ok=True)  # the lock lives beside the output
+    _lock(absolute, option)
     try:
-        remove_stale_staging(path)
+        remove_stale_staging(absolute)
         _refuse_foreign(path, kind, option)
     except BaseException:
-        release(path)
+        release(absolute)
         raise
     return path
 
@@ -79,10 +84,11 @@ def claim(path: str | Path, kind: OutputKind, option: str = "--out") -> Path:
 def claimed(path: str | Path, kind: OutputKind, option: str = "--out") -> Iterator[Path]:
     """:func:`claim` for the length of a block that writes ``path``, released however the block ends."""
     path = claim(path, kind, option)
+    absolute = Path(os.path.abspath(path))  # released where it was taken, whatever the block does to the cwd
     try:
         yield path
     finally:
-        release(path)
+        release(absolute)
 
 
 _HELD: dict[str, tuple[int, int]] = {}  # lock file → (pid, open descriptor), for each output claimed here
@@ -90,7 +96,8 @@ _HELD: dict[str, tuple[int, int]] = {}  # lock file → (pid, open descriptor), 
 
 def lock_file(path: Path) -> Path:
     """The lock beside ``path`` that one writer at a time holds (flock), holding its pid for the others' message."""
-    return Path(path).with_name(f".{Path(path).name}.{STAGING_TAG}-lock")
+    path = Path(os.path.abspath(path))
+    return path.with_name(f".{path.name}.{STAGING_TAG}-lock")
 
 
 def _lock(path: Path, option: str) -> None:
@@ -263,7 +270,7 @@ def _alive(pid: int) -> bool:
 def staged_directory(path: str | Path) -> Iterator[Path]:
     """A fresh directory beside ``path`` to write into; it replaces ``path`` when the block completes and is
     removed if the block fails, so ``path`` is never half-written."""
-    path = Path(path)
+    path = Path(os.path.abspath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = temporary_directory(path.parent, staging_prefix(path))
     with undone_on_failure(path, lambda: shutil.rmtree(staging, ignore_errors=True)):

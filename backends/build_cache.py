@@ -18,6 +18,7 @@ a damaged file is never linked into, and signed by, a new manifest.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import hashlib
@@ -25,6 +26,8 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -164,12 +167,25 @@ class BuildUnit:
 _FORKED: list[BuildUnit] = []  # the units forked workers lower, by index: a unit's closure does not pickle
 
 
-def _worker_start() -> None:
+def _worker_start(parent: int) -> None:
     """A forked worker computes on one thread: torch's OpenMP pool does not survive a fork (its first
-    parallel op would hang), and one thread a process is what ``jobs`` asks for anyway."""
+    parallel op would hang), and one thread a process is what ``jobs`` asks for anyway. It dies with its
+    ``parent``: a killed build must not leave workers compiling for minutes, holding the caller's terminal."""
     import torch
 
     torch.set_num_threads(1)
+    die_with_parent(parent)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when ``parent`` dies (Linux; elsewhere the pool's own shutdown is all)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above took effect
+        os._exit(1)
 
 
 def _lower_forked(index: int) -> None:
@@ -189,7 +205,7 @@ def lower_units(units: list[BuildUnit], out_dir: Path, step: Task, jobs=1) -> di
         _FORKED[:] = todo
         try:
             with ProcessPoolExecutor(min(jobs, len(todo)), mp_context=multiprocessing.get_context("fork"),
-                                     initializer=_worker_start) as pool:
+                                     initializer=_worker_start, initargs=(os.getpid(),)) as pool:
                 step.describe(f"{title}: {len(todo)} units on {min(jobs, len(todo))} processes")
                 running = {pool.submit(_lower_forked, i): u for i, u in enumerate(todo)}
                 try:

@@ -226,6 +226,12 @@ def pack(q: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int, group:
     return make_packed(planes_from_codes(q, bits), scales, zeros, bits, group, symmetric)
 
 
+def packed_bytes(bits: int, group: int, shape: tuple[int, int]) -> int:
+    """Bytes a [N, K] weight takes in the format: its bit planes, and a float16 scale and uint8 zero a group."""
+    n, k = shape
+    return bits * n * k // 8 + n * (k // group) * (2 + 1)
+
+
 def quantize_pack(w: np.ndarray, bits: int, group: int, symmetric: bool = False) -> Packed:
     return pack(*quantize(w, bits, group, symmetric), bits, group, symmetric)
 

@@ -114,10 +114,13 @@ def first(cfg: dict, *keys: str, default=None):
 
 
 def require(cfg: dict, *keys: str):
+    """The first of ``keys`` with a value. A null is no value: transformers keeps it, and its model then fails on it
+    (a null top-k or eps is a TypeError there), so it is refused here as a missing key is."""
     value = first(cfg, *keys)
     if value is None:
         raise UnsupportedModelError(
-            f"config.json has none of {', '.join(map(repr, keys))}; it is incomplete for its model_type."
+            f"config.json has no value for {' or '.join(map(repr, keys))} (missing or null); it is incomplete for its "
+            "model_type."
         )
     return value
 

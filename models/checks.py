@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from npumoe.core.base.errors import UnsupportedModelError
+from npumoe.core.base.errors import UnsupportedModelError, WeightError
 from npumoe.core.ir.spec import ModelSpec, MoESpec
 
 AT_LEAST_ONE = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
@@ -53,6 +53,25 @@ def check_config(cfg: object, where: str = "config.json") -> dict:
         raise _bad(where, "eos_token_id", eos, "a token id or a list of them")
     _check_rope(cfg, where)
     return cfg
+
+
+# what sizes a model: each, times hidden_size, counts weights its checkpoint must store (a norm a layer, a row an
+# expert or token, a matrix an intermediate size, a row block a head)
+SIZES = ("num_hidden_layers", "num_experts", "num_local_experts", "n_routed_experts", "vocab_size", "intermediate_size",
+         "moe_intermediate_size", "shared_expert_intermediate_size", "num_attention_heads", "num_key_value_heads",
+         "head_dim")
+WEIGHTS_PER_BYTE = 8  # at most: npumoe's 1-bit LUT format
+
+
+def check_sizes(cfg: dict, stored_bytes: int, where: str = "config.json") -> None:
+    """Refuse, before a spec is built, sizes no checkpoint of ``stored_bytes`` could hold: an edited
+    num_hidden_layers of 10^8 would build 10^8 layer records (gigabytes) before the weights were found missing."""
+    most = stored_bytes * WEIGHTS_PER_BYTE
+    hidden = cfg["hidden_size"] if _present(cfg, ("hidden_size",)) else 1
+    for key in _present(cfg, ("hidden_size", *SIZES)):
+        if cfg[key] * (1 if key == "hidden_size" else hidden) > most:
+            raise WeightError(f"{where}'s {key} is {cfg[key]}, more than the {stored_bytes / 1e6:,.1f} MB of weights "
+                              "beside it could hold; the config and the weights do not match.")
 
 
 def _check_rope(cfg: dict, where: str) -> None:

@@ -53,7 +53,7 @@ def experts(cfg: dict) -> MoESpec:
         top_k=require(cfg, "num_experts_per_tok"),
         scoring="sigmoid",
         normalize=bool(cfg["norm_topk_prob"]),
-        routed_scaling=float(cfg["routed_scaling_factor"]),
+        routed_scaling=float(require(cfg, "routed_scaling_factor")),
         n_group=cfg["n_group"] or 1,
         topk_group=cfg["topk_group"] or 1,
         correction_bias=True,

@@ -45,8 +45,8 @@ def experts(cfg: dict) -> MoESpec:
         require(cfg, "intermediate_size"),
         glu="gpt_oss",
         bias=True,
-        limit=float(cfg["swiglu_limit"]),
-        alpha=float(cfg["swiglu_alpha"]),
+        limit=float(require(cfg, "swiglu_limit")),
+        alpha=float(require(cfg, "swiglu_alpha")),
     )
     return MoESpec(
         num_experts=require(cfg, "num_local_experts", "num_experts"),

@@ -14,7 +14,7 @@ from npumoe.core.ir.weights import Weights
 from npumoe.luts.torch_op import fast_compute_dtypes
 from npumoe.models.checkpoints.directory import QUANTIZED, canonical_sources, open_checkpoint, weight_files
 from npumoe.models.checkpoints.stored_formats import stored_format, views
-from npumoe.models.checks import check_config, check_spec
+from npumoe.models.checks import check_config, check_sizes, check_spec
 from npumoe.models.demo import DEMO_DIR
 from npumoe.models.registry import adapter_for
 from npumoe.models.tokenizer import load_tokenizer
@@ -63,10 +63,18 @@ def read_config(path: Path) -> dict:
     return check_config(cfg, str(cfg_path))
 
 
-def config_spec(cfg: dict, where: str = "config.json"):
-    """(adapter, ModelSpec) of a checked config, the spec itself checked too, before any weight is touched."""
+def config_spec(cfg: dict, where: str = "config.json", checkpoint: Path | None = None):
+    """(adapter, ModelSpec) of a checked config, the spec itself checked too, before any weight is touched; with the
+    ``checkpoint`` directory, its sizes first checked against the bytes of weights there."""
+    if stored := checkpoint is not None and stored_bytes(checkpoint):
+        check_sizes(cfg, stored, where)
     adapter = adapter_for(cfg.get("model_type"))
     return adapter, check_spec(adapter.spec(cfg), where)
+
+
+def stored_bytes(path: Path) -> int:
+    """Bytes of the safetensors files in ``path`` (0 when there are none: the weights' own error comes later)."""
+    return sum(p.stat().st_size for p in path.glob("*.safetensors") if p.is_file())
 
 
 def is_gptq(cfg: dict) -> bool:
@@ -111,7 +119,7 @@ def load(path: str | Path | None = None, dtype: str = "auto") -> Model:
     comfortably in memory, else the stored dtype), ``float32``, ``bfloat16`` or ``float16``."""
     path = Path(path) if path is not None else DEMO_DIR
     cfg = read_config(path)
-    adapter, spec = config_spec(cfg, str(path / "config.json"))
+    adapter, spec = config_spec(cfg, str(path / "config.json"), path)
     if not is_gptq(cfg):
         stored_format(cfg)  # refuses a quantisation npumoe cannot read, before any work
     weights = _read_weights(path, cfg, adapter, spec, dtype)

@@ -25,7 +25,7 @@ class MixtralAdapter(Adapter):
         attention = gqa_attention(cfg, sliding_window=cfg.get("sliding_window"))
         moe = MoESpec(
             num_experts=require(cfg, "num_local_experts", "num_experts"),
-            router=RouterSpec(top_k=cfg["num_experts_per_tok"], normalize=True),
+            router=RouterSpec(top_k=require(cfg, "num_experts_per_tok"), normalize=True),
             expert=MLPSpec(require(cfg, "intermediate_size"), activation(cfg)),
         )
         norm = rms_norm(cfg)

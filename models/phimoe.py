@@ -37,7 +37,7 @@ def sparsemixer(cfg: dict) -> RouterSpec:
             f"PhiMoE's sparsemixer routes every token to exactly 2 experts; "
             f"num_experts_per_tok={top_k} is not supported."
         )
-    return RouterSpec(top_k=2, scoring="sparsemixer", jitter_eps=float(cfg["router_jitter_noise"]))
+    return RouterSpec(top_k=2, scoring="sparsemixer", jitter_eps=float(require(cfg, "router_jitter_noise")))
 
 
 class PhimoeAdapter(Adapter):
@@ -52,6 +52,6 @@ class PhimoeAdapter(Adapter):
             router=sparsemixer(cfg),
             expert=MLPSpec(require(cfg, "intermediate_size"), activation(cfg)),
         )
-        norm = NormSpec("layer", float(cfg["rms_norm_eps"]), bias=True)
+        norm = NormSpec("layer", float(require(cfg, "rms_norm_eps")), bias=True)
         layers = [LayerSpec(attention, moe, norm)] * require(cfg, "num_hidden_layers")
         return model_spec(cfg, "phimoe", layers, norm, lm_head_bias=bool(cfg.get("lm_head_bias", False)))

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 
 import click
 
 from npumoe.core.base.errors import NpumoeError
+from npumoe.core.base.outputs import DISK_FULL, disk_full
 from npumoe.core.base.progress import shown_by_default
 
 
@@ -153,6 +155,11 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2 if err.exit_code == 2 else err.exit_code)
     except click.exceptions.Exit as err:
         sys.exit(err.exit_code)
+    except OSError as err:  # a full disk under a write that is not an output's (a cache, a native build)
+        if err.errno not in DISK_FULL:
+            raise
+        click.echo(f"error: {one_line(str(disk_full(err, Path(err.filename or '.'))))}", err=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -352,3 +352,24 @@ def test_a_prompt_that_is_not_utf8_is_refused_not_replaced(tiny, tmp_path, capsy
     assert hf.encode("def def") == [1, 1]
     with pytest.raises(InputError, match="character 1 is the lone surrogate U\\+D800"):
         hf.encode("d\ud800ef")
+
+
+FAMILY_CONFIGS = ("Qwen3MoeConfig", "Qwen2MoeConfig", "MixtralConfig", "PhimoeConfig", "OlmoeConfig", "DeepseekV3Config",
+                  "GptOssConfig")
+
+
+@pytest.mark.parametrize("config_class", FAMILY_CONFIGS)
+def test_a_null_or_missing_config_value_is_a_default_or_one_line(config_class):
+    """Every key of each family's transformers config, set to null or left out: the spec reads a default, or the
+    config is refused with npumoe's one line (a null top-k, eps or SwiGLU limit was a TypeError)."""
+    from npumoe.models.checks import check_config
+    from npumoe.models.loader import config_spec
+
+    base = getattr(transformers, config_class)(num_hidden_layers=2).to_dict()
+    config_spec(check_config(dict(base)))
+    for key in sorted(base):
+        for cfg in ({**base, key: None}, {k: v for k, v in base.items() if k != key}):
+            try:
+                config_spec(check_config(cfg))
+            except npumoe.NpumoeError as err:
+                assert "\n" not in str(err)

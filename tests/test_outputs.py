@@ -12,7 +12,7 @@ from cli_check import cli_error
 
 import npumoe
 from npumoe.core.base.errors import ArtifactError, InputError
-from npumoe.core.base.outputs import claim, staged_directory, staging_prefix
+from npumoe.core.base.outputs import claimed, staged_directory, staging_prefix
 from npumoe.core.compiler.artifacts import ARTIFACTS, MANIFEST, read_manifest
 from npumoe.core.planning.plan import PLAN, plan
 from npumoe.core.runtime.calibrate import calibrate
@@ -87,12 +87,11 @@ def test_a_directory_is_swapped_in_whole_and_only_when_complete(tmp_path):
     out.mkdir()
     (out / MANIFEST).write_text(json.dumps({"kind": "npumoe.Artifacts"}))
     (out / "old.bin").write_text("old")
-    claim(out, ARTIFACTS)
-    with pytest.raises(RuntimeError), staged_directory(out) as staging:
+    with pytest.raises(RuntimeError), claimed(out, ARTIFACTS), staged_directory(out) as staging:
         (staging / "half.bin").write_text("half")
         raise RuntimeError("killed mid-build")
     assert sorted(os.listdir(out)) == ["manifest.json", "old.bin"] and os.listdir(tmp_path) == ["build"]
-    with staged_directory(out) as staging:
+    with claimed(out, ARTIFACTS), staged_directory(out) as staging:
         (staging / "new.bin").write_text("new")
     assert os.listdir(out) == ["new.bin"] and os.listdir(tmp_path) == ["build"]
 
@@ -104,7 +103,8 @@ def test_a_killed_runs_leftovers_are_removed_by_the_next_run(tmp_path):
     (tmp_path / f".plan.json.npumoe-{2 ** 22 + 7}-x.tmp").write_text("half")
     live = tmp_path / (staging_prefix(out) + "abc")
     live.mkdir()
-    claim(out, PLAN)
+    with claimed(out, PLAN):
+        pass
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]
 
 
@@ -170,3 +170,18 @@ def test_a_symlink_out_of_the_artifact_is_refused(tmp_path):
     (path / "graphs").symlink_to("/etc")
     with pytest.raises(ArtifactError, match="'graphs/x.bin', which lies outside"):
         read_manifest(path)
+
+
+def test_the_current_directory_and_the_root_are_never_replaced(tmp_path, capsys, monkeypatch):
+    """`--out .` once had its staging renamed over the directory the user stood in (and failed after the work);
+    `--out /` had no name to put a lock beside. Both are one line before any work."""
+    from npumoe.models.loader import DEMO_DIR
+
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    for out in (".", ".."):
+        assert cli_error(capsys, "quantize", "--model", str(DEMO_DIR), "--out", out) == (
+            f"error: --out {out} holds the current directory; give a path inside it, such as ./out.")
+    assert cli_error(capsys, "calibrate", "--out", "/") == (
+        "error: --out / is the file system's root; give a path under it.")
+    assert os.listdir(tmp_path) == ["here"] and os.listdir(tmp_path / "here") == []

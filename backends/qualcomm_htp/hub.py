@@ -18,6 +18,7 @@ import click
 
 from npumoe.core.base.errors import ArtifactError, BackendUnavailableError
 from npumoe.core.base.io import atomic_write_text, sha256_file
+from npumoe.core.base.outputs import claimed
 from npumoe.core.base.progress import task
 
 COMPILE_OPTIONS = "--target_runtime qnn_context_binary --compute_unit npu"
@@ -76,44 +77,46 @@ def _wait(jobs: dict, what: str) -> None:
 
 
 def hub_compile(out_dir: Path, device: str) -> dict[str, str]:
-    from npumoe.core.compiler.artifacts import read_manifest
+    from npumoe.core.compiler.artifacts import ARTIFACTS, read_manifest
 
     hub = hub_client()
-    manifest = read_manifest(out_dir)
-    target = hub.Device(device)
-    jobs = {name: hub.submit_compile_job(model=str(path), device=target, options=COMPILE_OPTIONS,
-                                         name=f"npumoe {name}")
-            for name, path in compile_requests(manifest, out_dir)}
-    _wait(jobs, "compile")
-    files = []
-    for name, job in jobs.items():
-        files.append(Path(job.download_target_model(str(out_dir / HUB_DIR / f"{name}.bin"))))
-    ids = {name: job.job_id for name, job in jobs.items()}
-    _record(out_dir, manifest, "compile", ids, device, files)
-    return ids
+    with claimed(out_dir, ARTIFACTS, "--artifacts"):  # one writer: no build swaps it meanwhile
+        manifest = read_manifest(out_dir)
+        target = hub.Device(device)
+        jobs = {name: hub.submit_compile_job(model=str(path), device=target, options=COMPILE_OPTIONS,
+                                             name=f"npumoe {name}")
+                for name, path in compile_requests(manifest, out_dir)}
+        _wait(jobs, "compile")
+        files = []
+        for name, job in jobs.items():
+            files.append(Path(job.download_target_model(str(out_dir / HUB_DIR / f"{name}.bin"))))
+        ids = {name: job.job_id for name, job in jobs.items()}
+        _record(out_dir, manifest, "compile", ids, device, files)
+        return ids
 
 
 def hub_profile(out_dir: Path, device: str) -> dict[str, str]:
-    from npumoe.core.compiler.artifacts import read_manifest
+    from npumoe.core.compiler.artifacts import ARTIFACTS, read_manifest
 
     hub = hub_client()
-    manifest = read_manifest(out_dir)
-    compiled = manifest.get("hub", {}).get("compile", {}).get("jobs")
-    if not compiled:
-        raise ArtifactError(f"{out_dir} has no AI Hub compile jobs; "
-                            f"run npumoe hub compile --artifacts {out_dir} first.")
-    target = hub.Device(device)
-    jobs = {name: hub.submit_profile_job(model=hub.get_job(job_id).get_target_model(), device=target,
-                                         name=f"npumoe {name}") for name, job_id in compiled.items()}
-    _wait(jobs, "profile")
-    files = []
-    for name, job in jobs.items():
-        path = out_dir / HUB_DIR / f"{name}.profile.json"
-        atomic_write_text(path, json.dumps(job.download_profile(), indent=1, sort_keys=True))
-        files.append(path)
-    ids = {name: job.job_id for name, job in jobs.items()}
-    _record(out_dir, manifest, "profile", ids, device, files)
-    return ids
+    with claimed(out_dir, ARTIFACTS, "--artifacts"):  # one writer: no build swaps it meanwhile
+        manifest = read_manifest(out_dir)
+        compiled = manifest.get("hub", {}).get("compile", {}).get("jobs")
+        if not compiled:
+            raise ArtifactError(f"{out_dir} has no AI Hub compile jobs; "
+                                f"run npumoe hub compile --artifacts {out_dir} first.")
+        target = hub.Device(device)
+        jobs = {name: hub.submit_profile_job(model=hub.get_job(job_id).get_target_model(), device=target,
+                                             name=f"npumoe {name}") for name, job_id in compiled.items()}
+        _wait(jobs, "profile")
+        files = []
+        for name, job in jobs.items():
+            path = out_dir / HUB_DIR / f"{name}.profile.json"
+            atomic_write_text(path, json.dumps(job.download_profile(), indent=1, sort_keys=True))
+            files.append(path)
+        ids = {name: job.job_id for name, job in jobs.items()}
+        _record(out_dir, manifest, "profile", ids, device, files)
+        return ids
 
 
 @click.command("hub")

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from npumoe.core.base.errors import ArtifactError, InputError
-from npumoe.core.base.outputs import staging_prefix, temporary_file
+from npumoe.core.base.outputs import OutputKind, claimed, staging_prefix, temporary_file, undone_on_failure
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
@@ -18,14 +18,17 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = temporary_file(path.parent, staging_prefix(path), ".tmp")
-    try:
+    with undone_on_failure(path, lambda: Path(tmp).unlink(missing_ok=True)):
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
+
+
+def write_output(path: str | Path, kind: OutputKind, data: bytes | str, option: str = "--out") -> Path:
+    """Write a whole one-file output (a plan, a profile, a figure, a trace, a report): claimed, then atomic."""
+    with claimed(path, kind, option) as path:
+        return atomic_write_bytes(path, data.encode("utf-8") if isinstance(data, str) else data)
 
 
 def sha256_file(path: Path) -> str:

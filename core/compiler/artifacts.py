@@ -22,7 +22,7 @@ from pathlib import Path
 
 from npumoe.core.base.errors import ArtifactError, InputError
 from npumoe.core.base.io import atomic_write_text, read_json_artifact, sha256_file, sha256_json
-from npumoe.core.base.outputs import OutputKind, claim, json_kind, staged_directory
+from npumoe.core.base.outputs import OutputKind, claimed, json_kind, staged_directory
 from npumoe.core.base.progress import task, track
 from npumoe.core.compiler.program import build_program
 from npumoe.core.ir.backend import Executor, Lowered
@@ -53,48 +53,48 @@ def build(model, plan, target: str, out_dir: str | Path, max_context: int = 512,
     :mod:`npumoe.core.base.progress`) shows the backend's calibration and the compiles."""
     from npumoe.core.ir.backend import get_backend
 
-    out_dir = claim(out_dir, ARTIFACTS)
-    if plan.target != target:
-        raise InputError(f"the plan was made for target {plan.target!r}, not {target!r}; "
-                         f"re-plan with --target {target}.")
-    plan.check_model(model)
-    program = build_program(model.spec, chunk=plan.chunk, max_context=max_context, plan=plan)
-    npu_graphs = [g for g in program.graphs.values() if g.placement == "npu"]
-    if not npu_graphs:
-        raise InputError("the plan places no graph on the NPU (residency cpu?); there is nothing to build.")
-    if layers is not None:
-        outside = sorted(set(layers) - set(range(model.spec.num_layers)))
-        if outside:
-            raise InputError(f"--layers names layer {outside[0]}, but {model.name} has layers 0-"
-                             f"{model.spec.num_layers - 1}.")
-        npu_graphs = [g for g in npu_graphs if g.layer in layers]
+    with claimed(out_dir, ARTIFACTS) as out_dir:
+        if plan.target != target:
+            raise InputError(f"the plan was made for target {plan.target!r}, not {target!r}; "
+                             f"re-plan with --target {target}.")
+        plan.check_model(model)
+        program = build_program(model.spec, chunk=plan.chunk, max_context=max_context, plan=plan)
+        npu_graphs = [g for g in program.graphs.values() if g.placement == "npu"]
         if not npu_graphs:
-            raise InputError(f"the plan places no graph of layers {sorted(layers)} on the NPU; nothing to build.")
-    backend = get_backend(target, **backend_options)
-    with task(f"calibrating {target}'s graphs", progress=progress):
-        backend.calibrate(model, plan, max_context, [g.name for g in npu_graphs])
-    with staged_directory(out_dir) as staging:
-        entries = backend.build(npu_graphs, model.weights, staging, progress=progress, jobs=jobs)
-        manifest = {
-            "kind": KIND,
-            "target": target,
-            "backend": backend.describe(),
-            "model": model.spec.fingerprint(),
-            "weights": model.weights_fingerprint(),
-            "model_name": model.name,
-            "chunk": plan.chunk,
-            "max_context": max_context,
-            "plan": plan.to_json(),
-            "layers": sorted(layers) if layers is not None else None,  # a partial build when set
-            "graphs": {g.name: {**io_description(g), **entries[g.name], "bytes": _bytes(staging, entries[g.name])}
-                       for g in npu_graphs},
-            "files": {
-                str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()
-            },
-        }
-        manifest["build_sha256"] = build_digest(manifest)
-        atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
-    return manifest
+            raise InputError("the plan places no graph on the NPU (residency cpu?); there is nothing to build.")
+        if layers is not None:
+            outside = sorted(set(layers) - set(range(model.spec.num_layers)))
+            if outside:
+                raise InputError(f"--layers names layer {outside[0]}, but {model.name} has layers 0-"
+                                 f"{model.spec.num_layers - 1}.")
+            npu_graphs = [g for g in npu_graphs if g.layer in layers]
+            if not npu_graphs:
+                raise InputError(f"the plan places no graph of layers {sorted(layers)} on the NPU; nothing to build.")
+        backend = get_backend(target, **backend_options)
+        with task(f"calibrating {target}'s graphs", progress=progress):
+            backend.calibrate(model, plan, max_context, [g.name for g in npu_graphs])
+        with staged_directory(out_dir) as staging:
+            entries = backend.build(npu_graphs, model.weights, staging, progress=progress, jobs=jobs)
+            manifest = {
+                "kind": KIND,
+                "target": target,
+                "backend": backend.describe(),
+                "model": model.spec.fingerprint(),
+                "weights": model.weights_fingerprint(),
+                "model_name": model.name,
+                "chunk": plan.chunk,
+                "max_context": max_context,
+                "plan": plan.to_json(),
+                "layers": sorted(layers) if layers is not None else None,  # a partial build when set
+                "graphs": {g.name: {**io_description(g), **entries[g.name], "bytes": _bytes(staging, entries[g.name])}
+                           for g in npu_graphs},
+                "files": {
+                    str(p.relative_to(staging)): sha256_file(p) for p in sorted(staging.rglob("*")) if p.is_file()
+                },
+            }
+            manifest["build_sha256"] = build_digest(manifest)
+            atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+        return manifest
 
 
 def _bytes(root: Path, entry: dict) -> int:

@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 
 from npumoe.core.base.errors import ArtifactError, InputError
-from npumoe.core.base.io import atomic_write_text, read_json_artifact
-from npumoe.core.base.outputs import OutputKind, claim, json_kind
+from npumoe.core.base.io import read_json_artifact, write_output
+from npumoe.core.base.outputs import OutputKind, json_kind
 from npumoe.core.compiler.graphs import experts_graph
 from npumoe.core.compiler.program import ExpertGroup, StaticShape, build_program
 from npumoe.core.ir.backend import Capabilities, capabilities, plugin
@@ -182,7 +182,7 @@ class Plan:
         return {"kind": KIND, **data}
 
     def save(self, path: str | Path) -> Path:
-        return atomic_write_text(claim(path, PLAN), json.dumps(self.to_json(), indent=1))
+        return write_output(path, PLAN, json.dumps(self.to_json(), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

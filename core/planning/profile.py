@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from npumoe.core.base.errors import ArtifactError
-from npumoe.core.base.io import atomic_write_text, read_json_artifact
-from npumoe.core.base.outputs import OutputKind, claim, json_kind
+from npumoe.core.base.io import read_json_artifact, write_output
+from npumoe.core.base.outputs import OutputKind, json_kind
 from npumoe.core.ir.identity import check_weights
 from npumoe.core.ir.spec import ModelSpec
 
@@ -120,7 +120,7 @@ class RoutingProfile:
         }
 
     def save(self, path: str | Path) -> Path:
-        return atomic_write_text(claim(path, PROFILE), json.dumps(self.to_json(), indent=1))
+        return write_output(path, PROFILE, json.dumps(self.to_json(), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> RoutingProfile:

@@ -24,7 +24,7 @@ import torch
 from torch.fx.traceback import preserve_node_meta
 
 from npumoe.core.base.errors import BackendUnavailableError, InputError
-from npumoe.core.base.outputs import OutputKind, claim, json_kind, staged_directory
+from npumoe.core.base.outputs import OutputKind, claimed, json_kind, staged_directory
 from npumoe.core.compiler.interpreter import OP_IMPLS
 from npumoe.core.compiler.program import build_program
 from npumoe.core.ir.backend import ProgramTarget, RunnerSetup, plugin, plugin_object, plugins
@@ -69,53 +69,53 @@ def export(model, target: str, out: str | Path, plan=None, chunk: int | None = N
     """Write ``out`` (see the module docstring) and return its manifest; ``chunk`` is the plan's where there is one.
     ``decode_on="cpu"`` lowers the decode method for the CPU target (disaggregated: the device prefills, the CPU
     decodes, as decode is bound by weight bytes and launch cost); None or "npu", for ``target`` as prefill."""
-    out = claim(out, EXPORT)
-    record = program_target(target)
-    if decode_on not in (None, *DECODE_ON):
-        raise InputError(f"--decode-on takes {' or '.join(DECODE_ON)}, not {decode_on!r}.")
-    if decode_on == "npu" and target == CPU:
-        raise InputError("--decode-on npu needs an NPU target; target cpu decodes on the CPU (leave --decode-on out).")
-    decoder = program_target(CPU) if decode_on == "cpu" else record
-    devices = {"prefill": record.device, "decode": decoder.device}
-    if getattr(model.weights, "packed", None):
-        raise InputError(f"{model.name} holds quantised (packed) matrices, which npumoe export does not take yet; "
-                         "export the unquantised checkpoint.")
-    if plan is not None:
-        plan.check_model(model)
-        if plan.overflow != "spill":
-            raise InputError(f"this plan's overflow policy is {plan.overflow}, but an exported program computes every "
-                             "routed pair (spill); make the plan with npumoe plan --overflow spill.")
-        chunk = plan.chunk
-    setup = plugin_object(plugin(target), record.runner_setup)() if record.runner_setup else RunnerSetup()
-    libraries = tuple(dict.fromkeys((*record.libraries, *decoder.libraries)))
-    runner = native_runner.runner(target, libraries, setup)  # first: a missing compiler is found in seconds
-    program = build_program(model.spec, chunk=chunk or DEFAULT_CHUNK, max_context=context_length(model.spec,
-                                                                                                  max_context),
-                            plan=plan)
-    tokenizer = next((model.path / name for name in TOKENIZER_FILES if (model.path / name).is_file()), None)
-    constants = program_metadata(model, program, target)
-    manifest = {"kind": KIND, **constants, "model": model.name,
-                "fingerprint": model.fingerprint, "weights": model.weights_fingerprint(),
-                "plan": None if plan is None else {"target": plan.target, "method": plan.method,
-                                                   "overflow": plan.overflow},
-                "methods": methods(program, devices), "tokenizer": tokenizer and tokenizer.name,
-                "runner": RUNNER}
-    report(f"exporting {model.name}: {model.spec.num_layers} layers, chunk {program.chunk}, context "
-           f"{program.max_context}, {'plan for ' + plan.target if plan else 'no plan'}")
-    start = time.perf_counter()
-    impls = plugin_object(plugin(target), record.op_impls) if record.op_impls else OP_IMPLS
-    lowerings = {"prefill": plugin_object(plugin(target), record.lower),
-                 "decode": plugin_object(plugin(CPU if decode_on == "cpu" else target), decoder.lower)}
-    data = lower(WholeModel(program, model.weights, impls).eval(), lowerings, constants)
-    manifest["export_seconds"] = round(time.perf_counter() - start, 1)
-    with staged_directory(out) as staging:
-        (staging / PROGRAM).write_bytes(data)
-        shutil.copy2(runner, staging / RUNNER)
-        if tokenizer is not None:
-            shutil.copy2(tokenizer, staging / tokenizer.name)
-        manifest["files"] = {p.name: p.stat().st_size for p in sorted(staging.iterdir())}
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    return manifest
+    with claimed(out, EXPORT) as out:
+        record = program_target(target)
+        if decode_on not in (None, *DECODE_ON):
+            raise InputError(f"--decode-on takes {' or '.join(DECODE_ON)}, not {decode_on!r}.")
+        if decode_on == "npu" and target == CPU:
+            raise InputError("--decode-on npu needs an NPU target; target cpu decodes on the CPU (leave --decode-on out).")
+        decoder = program_target(CPU) if decode_on == "cpu" else record
+        devices = {"prefill": record.device, "decode": decoder.device}
+        if getattr(model.weights, "packed", None):
+            raise InputError(f"{model.name} holds quantised (packed) matrices, which npumoe export does not take "
+                             "yet; export the unquantised checkpoint.")
+        if plan is not None:
+            plan.check_model(model)
+            if plan.overflow != "spill":
+                raise InputError(f"this plan's overflow policy is {plan.overflow}, but an exported program computes "
+                                 "every routed pair (spill); make the plan with npumoe plan --overflow spill.")
+            chunk = plan.chunk
+        setup = plugin_object(plugin(target), record.runner_setup)() if record.runner_setup else RunnerSetup()
+        libraries = tuple(dict.fromkeys((*record.libraries, *decoder.libraries)))
+        runner = native_runner.runner(target, libraries, setup)  # first: a missing compiler is found in seconds
+        program = build_program(model.spec, chunk=chunk or DEFAULT_CHUNK, max_context=context_length(model.spec,
+                                                                                                      max_context),
+                                plan=plan)
+        tokenizer = next((model.path / name for name in TOKENIZER_FILES if (model.path / name).is_file()), None)
+        constants = program_metadata(model, program, target)
+        manifest = {"kind": KIND, **constants, "model": model.name,
+                    "fingerprint": model.fingerprint, "weights": model.weights_fingerprint(),
+                    "plan": None if plan is None else {"target": plan.target, "method": plan.method,
+                                                       "overflow": plan.overflow},
+                    "methods": methods(program, devices), "tokenizer": tokenizer and tokenizer.name,
+                    "runner": RUNNER}
+        report(f"exporting {model.name}: {model.spec.num_layers} layers, chunk {program.chunk}, context "
+               f"{program.max_context}, {'plan for ' + plan.target if plan else 'no plan'}")
+        start = time.perf_counter()
+        impls = plugin_object(plugin(target), record.op_impls) if record.op_impls else OP_IMPLS
+        lowerings = {"prefill": plugin_object(plugin(target), record.lower),
+                     "decode": plugin_object(plugin(CPU if decode_on == "cpu" else target), decoder.lower)}
+        data = lower(WholeModel(program, model.weights, impls).eval(), lowerings, constants)
+        manifest["export_seconds"] = round(time.perf_counter() - start, 1)
+        with staged_directory(out) as staging:
+            (staging / PROGRAM).write_bytes(data)
+            shutil.copy2(runner, staging / RUNNER)
+            if tokenizer is not None:
+                shutil.copy2(tokenizer, staging / tokenizer.name)
+            manifest["files"] = {p.name: p.stat().st_size for p in sorted(staging.iterdir())}
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        return manifest
 
 
 def program_metadata(model, program, target: str) -> dict:

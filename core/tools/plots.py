@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 
 from npumoe.core.base.errors import BackendUnavailableError
-from npumoe.core.base.io import atomic_write_bytes
-from npumoe.core.base.outputs import OutputKind, claim
+from npumoe.core.base.io import write_output
+from npumoe.core.base.outputs import OutputKind
 
 MARKER = {"Software": "npumoe"}  # a PNG text chunk: how a later --plot knows the file is ours to replace
 
@@ -47,7 +47,7 @@ def png(fig) -> bytes:
 
 
 def _save(fig, path) -> Path:
-    return atomic_write_bytes(claim(path, FIGURE, "--plot"), png(fig))
+    return write_output(path, FIGURE, png(fig), "--plot")
 
 
 def profile_heatmap(profile, path) -> Path:

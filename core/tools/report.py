@@ -6,7 +6,7 @@ import base64
 import html
 from pathlib import Path
 
-from npumoe.core.base.io import atomic_write_text
+from npumoe.core.base.io import write_output
 from npumoe.core.base.outputs import OutputKind, claim
 from npumoe.core.planning.profile import RoutingProfile
 from npumoe.core.tools.plots import estimates_figure, png, profile_heatmap_figure, target_costs_figure
@@ -77,4 +77,4 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}img{{max-width:10
 <h2>Device records</h2>
 <table><tr><th>device</th><th>NPU TOPS</th><th>DRAM GB/s</th><th>launch µs</th><th>sources</th></tr>{sources}</table>
 </body></html>"""
-    return atomic_write_text(path, page)
+    return write_output(path, REPORT, page, "--html")

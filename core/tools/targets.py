@@ -17,7 +17,7 @@ from dataclasses import asdict
 
 from npumoe.core.base.errors import InputError, NpumoeError
 from npumoe.core.base.io import atomic_write_text
-from npumoe.core.base.outputs import OutputKind, claim, json_kind, staged_directory
+from npumoe.core.base.outputs import OutputKind, check_free_space, claimed, json_kind, staged_directory
 from npumoe.core.compiler.artifacts import MANIFEST, TARGETS_KIND, build
 from npumoe.core.ir.backend import get_backend, plugin, plugins
 from npumoe.core.planning.costmodel import footprint, workload
@@ -52,31 +52,35 @@ def build_targets(model, targets: list[str], texts: dict[str, str], heldout_ids,
     ``progress`` shows each step's own (see :mod:`npumoe.core.base.progress`); ``jobs`` is
     :func:`~npumoe.core.compiler.artifacts.build`'s."""
     options = options or {}
-    out_dir = claim(out_dir, TARGETS)
-    check_targets(targets, options)
-    if profile is None:
-        report(f"calibrating on {len(texts)} text(s), chunk {chunk}")
-        profile = calibrate(model, list(texts.values()), chunk=chunk, progress=progress, sources=list(texts)[:50])
-    entries = {}
-    with staged_directory(out_dir) as staging:
-        profile.save(staging / PROFILE_FILE)
-        for target in targets:
-            report(f"{target}: planning, building")
-            target_plan = plan(model, profile, target=target, residency=residency, graphs_per_layer=graphs_per_layer)
-            build(model, target_plan, target, staging / target, max_context=max_context, progress=progress,
-                  jobs=jobs, **options.get(target, {}))
-            report(f"{target}: validating on {len(heldout_ids)} held-out tokens")
-            checked = validate(model, target, staging / target, heldout_ids, progress=progress)
-            work = workload(model.spec, target_plan, checked.npu_launches_per_chunk)
-            need = footprint(model.spec, target_plan, max_context, options.get(target, {}).get("precision", "fp16"))
-            entries[target] = {"dir": target, "options": options.get(target, {}), "predicted": target_plan.predicted,
-                               "cpu_graphs": target_plan.cpu_graphs, "validation": checked.to_json(),
-                               "workload": asdict(work), "footprint": asdict(need)}
-        manifest = {"kind": TARGETS_KIND, "model": model.spec.fingerprint(), "model_name": model.name,
-                    "weights": model.weights_fingerprint(), "chunk": chunk, "max_context": max_context,
-                    "profile": PROFILE_FILE, "heldout_tokens": int(len(heldout_ids)), "targets": entries}
-        atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=1))  # targets in the order given
-    return manifest
+    with claimed(out_dir, TARGETS) as out_dir:
+        check_targets(targets, options)
+        if profile is None:
+            report(f"calibrating on {len(texts)} text(s), chunk {chunk}")
+            profile = calibrate(model, list(texts.values()), chunk=chunk, progress=progress, sources=list(texts)[:50])
+        entries = {}
+        plans = {target: plan(model, profile, target=target, residency=residency, graphs_per_layer=graphs_per_layer)
+                 for target in targets}
+        needs = {target: footprint(model.spec, plans[target], max_context,
+                                   options.get(target, {}).get("precision", "fp16")) for target in targets}
+        check_free_space(out_dir, sum(need.package_weight_bytes for need in needs.values()))
+        with staged_directory(out_dir) as staging:
+            profile.save(staging / PROFILE_FILE)
+            for target in targets:
+                report(f"{target}: building")
+                target_plan, need = plans[target], needs[target]
+                build(model, target_plan, target, staging / target, max_context=max_context, progress=progress,
+                      jobs=jobs, **options.get(target, {}))
+                report(f"{target}: validating on {len(heldout_ids)} held-out tokens")
+                checked = validate(model, target, staging / target, heldout_ids, progress=progress)
+                work = workload(model.spec, target_plan, checked.npu_launches_per_chunk)
+                entries[target] = {"dir": target, "options": options.get(target, {}), "predicted": target_plan.predicted,
+                                   "cpu_graphs": target_plan.cpu_graphs, "validation": checked.to_json(),
+                                   "workload": asdict(work), "footprint": asdict(need)}
+            manifest = {"kind": TARGETS_KIND, "model": model.spec.fingerprint(), "model_name": model.name,
+                        "weights": model.weights_fingerprint(), "chunk": chunk, "max_context": max_context,
+                        "profile": PROFILE_FILE, "heldout_tokens": int(len(heldout_ids)), "targets": entries}
+            atomic_write_text(staging / MANIFEST, json.dumps(manifest, indent=1))  # targets in the order given
+        return manifest
 
 
 def installed_npu_targets() -> tuple[list[str], dict[str, str]]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from npumoe.core.base.io import atomic_write_text
-from npumoe.core.base.outputs import OutputKind, claim, json_object
+from npumoe.core.base.io import write_output
+from npumoe.core.base.outputs import OutputKind, json_object
 from npumoe.core.ir.backend import DeviceTrace, plugin, plugin_object
 
 KIND = "npumoe.Trace"  # in otherData, where trace viewers keep what they do not read
@@ -48,4 +48,4 @@ def chrome_trace(engine, device: DeviceTrace | None = None, device_engine=None) 
 
 
 def write_trace(path: str | Path, engine, device: DeviceTrace | None = None, device_engine=None) -> Path:
-    return atomic_write_text(claim(path, TRACE, "--trace"), json.dumps(chrome_trace(engine, device, device_engine)))
+    return write_output(path, TRACE, json.dumps(chrome_trace(engine, device, device_engine)), "--trace")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import math
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from npumoe.core.base.errors import InputError
-from npumoe.core.base.outputs import OutputKind, claim, json_object, staged_directory
+from npumoe.core.base.outputs import OutputKind, check_free_space, claimed, json_object, staged_directory
 from npumoe.core.base.progress import track
 from npumoe.core.ir.tensorfile import SafetensorsWriter
 from npumoe.core.ir.weights import Weights
@@ -61,7 +62,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int,
         raise InputError(f"{src} is a GPTQ export, which npumoe loads as it is (routed experts run packed on the LUT "
                          "kernels); quantise the original checkpoint instead to choose other bits.")
     stored_format(cfg)  # FP8 and MXFP4 sources are widened tensor by tensor; other quantisations refused
-    adapter, model_spec = config_spec(cfg, str(src / "config.json"))
+    adapter, model_spec = config_spec(cfg, str(src / "config.json"), src)
     if linears not in checkpoint.LINEARS:
         raise InputError(f"--linears {linears!r} is not one of {', '.join(checkpoint.LINEARS)}.")
     spec.check_format(bits, group, symmetric=symmetric)
@@ -70,27 +71,28 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int,
         spec.check_format(head_bits, group, symmetric=symmetric)
     if out.resolve() == src.resolve():
         raise InputError(f"--out {out} is the source directory; write the quantised checkpoint somewhere else.")
-    claim(out, QUANTIZED_CHECKPOINT)
-    sources = canonical_sources(views(open_checkpoint(src), cfg), adapter)
-    weights = Weights(sources, model_spec, source=str(src))  # refuse an incomplete or misshaped source, unread
-    names = set(checkpoint.quantized_names(model_spec, linears))
-    if not names:
-        raise InputError(f"{src} has no routed experts to quantise; npumoe quantize is for MoE checkpoints.")
-    for name in sorted(names):
-        k = weights.source(name).shape[1]
-        if k % group:
-            raise InputError(f"{name} has K = {k} inputs, not a multiple of the group size {group}; pick a group "
-                             f"size that divides {k}.")
-    info = checkpoint.section(bits, group, symmetric, linears, head_bits if checkpoint.HEAD in names else None)
-    bits_of = {name: head_bits if name == checkpoint.HEAD and head_bits is not None else bits for name in names}
-    plain = {k: v for k, v in cfg.items() if k != "quantization_config"}  # the source's format is gone
-    with staged_directory(out) as staging:
-        _write_weights(staging / checkpoint.WEIGHTS_FILE, weights, bits_of, group, symmetric, progress)
-        for file in src.iterdir():
-            if file.is_file() and kept(file.name):
-                shutil.copyfile(file, staging / file.name)
-        (staging / "config.json").write_text(json.dumps(plain | {checkpoint.SECTION: info}, indent=2))
-    return info
+    with claimed(out, QUANTIZED_CHECKPOINT):
+        sources = canonical_sources(views(open_checkpoint(src), cfg), adapter)
+        weights = Weights(sources, model_spec, source=str(src))  # refuse an incomplete or misshaped source, unread
+        names = set(checkpoint.quantized_names(model_spec, linears))
+        if not names:
+            raise InputError(f"{src} has no routed experts to quantise; npumoe quantize is for MoE checkpoints.")
+        for name in sorted(names):
+            k = weights.source(name).shape[1]
+            if k % group:
+                raise InputError(f"{name} has K = {k} inputs, not a multiple of the group size {group}; pick a group "
+                                 f"size that divides {k}.")
+        info = checkpoint.section(bits, group, symmetric, linears, head_bits if checkpoint.HEAD in names else None)
+        bits_of = {name: head_bits if name == checkpoint.HEAD and head_bits is not None else bits for name in names}
+        plain = {k: v for k, v in cfg.items() if k != "quantization_config"}  # the source's format is gone
+        check_free_space(out, output_bytes(weights, bits_of, group))
+        with staged_directory(out) as staging:
+            _write_weights(staging / checkpoint.WEIGHTS_FILE, weights, bits_of, group, symmetric, progress)
+            for file in src.iterdir():
+                if file.is_file() and kept(file.name):
+                    shutil.copyfile(file, staging / file.name)
+            (staging / "config.json").write_text(json.dumps(plain | {checkpoint.SECTION: info}, indent=2))
+        return info
 
 
 def _write_weights(path: Path, weights: Weights, packed: dict[str, int], group: int, symmetric: bool,
@@ -112,6 +114,13 @@ def _write_weights(path: Path, weights: Weights, packed: dict[str, int], group: 
     except BaseException:
         writer.abort()
         raise
+
+
+def output_bytes(weights: Weights, packed: dict[str, int], group: int) -> int:
+    """The quantised weights' bytes, known before any is written: packed matrices in the format, the rest as stored."""
+    sources = {name: weights.source(name) for name in weights}
+    return sum(spec.packed_bytes(packed[name], group, s.shape) if name in packed
+               else math.prod(s.shape) * s.dtype.itemsize for name, s in sources.items())
 
 
 def kept(name: str) -> bool:

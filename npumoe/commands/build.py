@@ -85,13 +85,20 @@ def build_command(model_dir, dtype, targets, text_files, heldout_file, chunk, re
 
 
 def build_one_target(model_dir, dtype, plan_path, target, out, max_context, layers, jobs, options) -> None:
+    from npumoe.core.base.outputs import check_free_space
     from npumoe.core.compiler.artifacts import build
+    from npumoe.core.planning.costmodel import footprint
     from npumoe.core.planning.plan import Plan
     from npumoe.models.loader import load
 
     model = load(model_dir, dtype=dtype)
     options = chosen_build_options(target, options)
-    manifest = build(model, Plan.load(plan_path), target, out, max_context=max_context,
+    target_plan = Plan.load(plan_path)
+    if not layers and target_plan.target == target:  # a partial build holds less; a mismatch is build's to refuse
+        target_plan.check_model(model)
+        check_free_space(out, footprint(model.spec, target_plan, max_context, options.get("precision", "fp16"))
+                         .package_weight_bytes)
+    manifest = build(model, target_plan, target, out, max_context=max_context,
                      layers=parse_layers(layers) if layers else None, jobs=jobs, **options)
     table = Table("graph", "kind", "inputs", "MB", "compile s", "files")
     for name, g in manifest["graphs"].items():

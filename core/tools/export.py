@@ -74,7 +74,8 @@ def export(model, target: str, out: str | Path, plan=None, chunk: int | None = N
         if decode_on not in (None, *DECODE_ON):
             raise InputError(f"--decode-on takes {' or '.join(DECODE_ON)}, not {decode_on!r}.")
         if decode_on == "npu" and target == CPU:
-            raise InputError("--decode-on npu needs an NPU target; target cpu decodes on the CPU (leave --decode-on out).")
+            raise InputError("--decode-on npu needs an NPU target; target cpu decodes on the CPU (leave --decode-on "
+                             "out).")
         decoder = program_target(CPU) if decode_on == "cpu" else record
         devices = {"prefill": record.device, "decode": decoder.device}
         if getattr(model.weights, "packed", None):

@@ -4,4 +4,4 @@ source "$(dirname "$0")/lib.sh"
 ensure_torch
 ensure_apt_packages
 "$PY" -m pip install --quiet -e ".[test]"
-"$PY" -m pytest -q "$@"
+"$PY" -m pytest -q --durations=15 "$@"  # the slowest tests listed: the suite is kept under 15 min

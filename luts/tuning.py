@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from npumoe.core.base.errors import InputError
+from npumoe.core.base.machine import available_memory
 
 GRID = (4096, 8192, 12288, 16384, 24576, 32768)  # bytes ahead; csrc/lut.h's default is 12288
 ROUNDS = 3  # each distance's best pass of this many, the rounds interleaved over the grid ...
@@ -95,7 +96,7 @@ def sweep_bytes() -> int:
     cache), and at most an eighth of the memory available now."""
     llc = _last_level_cache_bytes()
     size = min(max(int(1.5 * llc), MIN_SWEEP_BYTES), MAX_SWEEP_BYTES)
-    available = _available_memory_bytes()
+    available = available_memory()
     return min(size, available // 8) if available else size
 
 
@@ -126,16 +127,6 @@ def _last_level_cache_bytes() -> int:
         scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
         sizes.append(int(size.rstrip("KMG") or 0) * scale)
     return max(sizes, default=32 << 20)
-
-
-def _available_memory_bytes() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def _read(path: Path) -> Tuning | None:

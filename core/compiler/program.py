@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from npumoe.core.base.errors import InputError
+from npumoe.core.base.machine import available_memory
 from npumoe.core.compiler import graphs
 from npumoe.core.ir.graph import Graph
 from npumoe.core.ir.spec import MLPSpec, ModelSpec, MoESpec
-from npumoe.core.ir.weights import available_memory
 
 HOST_OPS = ("embed", "rope_tables", "attention_mask", "kv_append", "router", "dispatch", "combine", "residual",
             "sample")

@@ -13,11 +13,11 @@ import math
 import weakref
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from npumoe.core.base.errors import InputError, WeightError
+from npumoe.core.base.machine import available_memory
 from npumoe.core.ir import DTYPE_POLICIES
 from npumoe.core.ir.spec import AttentionSpec, MLPSpec, ModelSpec, MoESpec, NormSpec
 from npumoe.core.ir.tensorfile import FLOAT_DTYPES
@@ -140,17 +140,6 @@ def fp32_sensitive(name: str, shape: tuple[int, ...]) -> bool:
     """Tensors kept in fp32 whatever the compute dtype: norms, biases, sinks (1-D, small) and the
     router, whose scores pick the experts (a bf16 router flips near-tied top-k choices)."""
     return len(shape) < 2 or ".moe.router." in name
-
-
-def available_memory() -> int:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable), or 0 if unknown."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
 
 
 def resolve_dtype(policy: str, sources: Mapping[str, TensorSource], spec: ModelSpec,

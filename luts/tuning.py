@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from npumoe.core.base.errors import InputError
+from npumoe.core.base.io import atomic_write_text
 from npumoe.core.base.machine import available_memory
 
 GRID = (4096, 8192, 12288, 16384, 24576, 32768)  # bytes ahead; csrc/lut.h's default is 12288
@@ -65,7 +66,7 @@ def retune(isa: str, library: Path, calls, threads: int) -> Tuning:
 
 def measure(calls, threads: int) -> Tuning:
     """The grid's fastest distance for one GEMV pass over a weight of :func:`sweep_bytes` (the library is left at
-    the last distance tried; :func:`tune` sets the chosen one)."""
+    the last distance tried; :func:`retune` sets the chosen one)."""
     from npumoe.luts.layout import ROWS, TILE_BYTES, TILE_K, TiledWeight
 
     start = time.perf_counter()
@@ -139,10 +140,9 @@ def _read(path: Path) -> Tuning | None:
 
 
 def _write(path: Path, tuning: Tuning) -> None:
-    """Atomically (a concurrent first use reads a whole file or none)."""
-    part = path.with_name(f".{path.name}.{os.getpid()}")
+    """Atomically (a concurrent first use reads a whole file or none); a cache that cannot be written (read-only,
+    full) is measured again next time."""
     try:
-        part.write_text(json.dumps(asdict(tuning)))
-        part.replace(path)
-    except OSError:
-        part.unlink(missing_ok=True)  # a read-only cache: measured again next time
+        atomic_write_text(path, json.dumps(asdict(tuning)))
+    except (OSError, InputError):
+        pass

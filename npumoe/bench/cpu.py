@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import click
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -75,12 +76,13 @@ class NpumoeRunner:
 
 class LlamaRunner:
     def __init__(self, path: Path):
-        from llama_cpp import Llama
+        import llama_cpp
 
         with native_output_silenced(1, 2):
-            self.llm = Llama(model_path=str(path), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=THREADS,
-                             n_threads_batch=THREADS, verbose=False)
+            self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=512, n_batch=256, n_ubatch=256, n_threads=THREADS,
+                                       n_threads_batch=THREADS, verbose=False)
         self.weight_bytes = gguf_decode_bytes(path)
+        self._logits_ith, self._vocab = llama_cpp.llama_get_logits_ith, self.llm.n_vocab()  # read once, not a token
 
     def prefill(self, ids) -> int:
         self.llm.reset()
@@ -95,11 +97,7 @@ class LlamaRunner:
     def _next(self) -> int:
         """The greedy token from the last position's logits, read from the context (llama-cpp-python fills
         ``Llama.scores`` only with ``logits_all`` since 0.3.17)."""
-        import llama_cpp
-        import numpy as np
-
-        logits = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
-        return int(np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),)).argmax())
+        return int(np.ctypeslib.as_array(self._logits_ith(self.llm.ctx, -1), shape=(self._vocab,)).argmax())
 
 
 def gguf_decode_bytes(path: Path) -> int:
@@ -171,8 +169,6 @@ def run(rounds: int, prefill_tokens: int, decode_tokens: int) -> tuple[list[Row]
     """Both engines' rows (medians of the rounds), and the machine's read bandwidth in GB/s: the best of a probe
     run in every round, between the engines, since a shared machine's bandwidth moves during a run (one probe
     after the rounds could read less than decode had streamed: docs/performance.md, "bench cpu")."""
-    import numpy as np
-
     with_llama = all(importlib.util.find_spec(m) for m in ("llama_cpp", "gguf"))
     paths = prepared(with_llama)
     rng = np.random.default_rng(0)

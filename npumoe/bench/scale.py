@@ -176,9 +176,8 @@ def measure(argv: list[str], env: dict | None = None) -> dict:
             "peak_rss_bytes": sampler.peak_rss, "written_bytes": sampler.written, "summary": last[-1] if last else ""}
 
 
-def decode_rate_bound(ckpt: Path) -> dict:
-    """Weight bytes one decode token reads (attention, router, top-k experts, LM head) and the rate
-    this machine's read bandwidth allows for them."""
+def bf16_decode_bytes(ckpt: Path) -> int:
+    """Weight bytes one decode token reads from the checkpoint's bf16 (attention, router, top-k experts, LM head)."""
     from npumoe.core.ir.spec import MoESpec
     from npumoe.core.ir.weights import attention_shapes, mlp_shapes
     from npumoe.models.loader import read_config
@@ -193,21 +192,20 @@ def decode_rate_bound(ckpt: Path) -> dict:
             params += ls.ffn.top_k * sum(math.prod(s) for s in mlp_shapes("e", ls.ffn.expert, h).values())
         else:
             params += sum(math.prod(s) for s in mlp_shapes("m", ls.ffn, h).values())
-    bandwidth = mapped_reader(ckpt)()
-    return {"weight_bytes_per_token": 2 * params, "read_gb_s": bandwidth / 1e9,
-            "bound_tok_s": bandwidth / (2 * params)}
+    return 2 * params
 
 
-def int4_decode_bound(int4: Path, ckpt: Path) -> dict:
-    """The same for the quantised checkpoint as npumoe.load holds it by default (packed matrices at their packed
-    size, the rest in the compute dtype it chose), against the read bandwidth of the source's mapped weights."""
+def decode_bound(weight_bytes: int, bandwidth: float) -> dict:
+    """The decode rate ``bandwidth`` (bytes/s) allows a token reading ``weight_bytes``."""
+    return {"weight_bytes_per_token": weight_bytes, "read_gb_s": bandwidth / 1e9,
+            "bound_tok_s": bandwidth / weight_bytes}
+
+
+def int4_decode_bytes(int4: Path) -> int:
     from npumoe.bench.weight_bytes import npumoe_decode_bytes
     from npumoe.models.loader import load
 
-    weight_bytes = npumoe_decode_bytes(load(int4))
-    bandwidth = mapped_reader(ckpt)()
-    return {"weight_bytes_per_token": weight_bytes, "read_gb_s": bandwidth / 1e9,
-            "bound_tok_s": bandwidth / weight_bytes}
+    return npumoe_decode_bytes(load(int4))
 
 
 def decode_tok_s(summary: str) -> float | None:
@@ -341,14 +339,18 @@ def bench_scale_command(model_name, layers, ckpt, steps, as_json):
         path = write_random_checkpoint(cfg, CACHE / model_name)
     with tempfile.TemporaryDirectory(prefix="npumoe-bench-scale-", dir=CACHE) as work:
         results = run_steps(path, Path(work), chosen, console)
-        int4_bound = int4_decode_bound(Path(work) / "int4", path) if "generate-int4" in chosen else None
+        # the quantised checkpoint as npumoe.load holds it by default: packed matrices at their packed size
+        int4_bytes = int4_decode_bytes(Path(work) / "int4") if "generate-int4" in chosen else None
     result = {"checkpoint": str(path), "machine": {"cpus": os.cpu_count(), "ram_bytes": _ram()}, "steps": results}
-    if int4_bound:
+    if "generate" in chosen or int4_bytes:
+        bandwidth = mapped_reader(path)()  # the source's mapped weights, probed once for both bounds
+    if "generate" in chosen:
+        result["decode_bound"] = decode_bound(bf16_decode_bytes(path), bandwidth)
+    if int4_bytes:
         measured = decode_tok_s(next(r["summary"] for r in results if r["step"] == "generate-int4"))
+        int4_bound = decode_bound(int4_bytes, bandwidth)
         share = measured / int4_bound["bound_tok_s"] if measured else None
         result["decode_bound_int4"] = int4_bound | {"decode_tok_s": measured, "of_bound": share}
-    if "generate" in chosen:
-        result["decode_bound"] = decode_rate_bound(path)
     if as_json:
         click.echo(json.dumps(result, indent=1))
         return

@@ -85,15 +85,16 @@ def _bf16_copy(source, out):
     import torch
     from safetensors.torch import load_file, save_file
 
+    from npumoe.core.base.outputs import staged_directory
+
     if (out / "config.json").is_file():
         return out
-    staging = out.with_name(out.name + ".part")
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(source, staging, ignore=shutil.ignore_patterns("*.safetensors", "*.py", "__pycache__"))
-    tensors = load_file(source / "model.safetensors")
-    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()},
-              staging / "model.safetensors")
-    config = json.loads((staging / "config.json").read_text())
-    (staging / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}, indent=1))
-    staging.rename(out)
+    with staged_directory(out) as staging:
+        shutil.copytree(source, staging, ignore=shutil.ignore_patterns("*.safetensors", "*.py", "__pycache__"),
+                        dirs_exist_ok=True)
+        tensors = load_file(source / "model.safetensors")
+        save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in tensors.items()},
+                  staging / "model.safetensors")
+        config = json.loads((staging / "config.json").read_text())
+        (staging / "config.json").write_text(json.dumps({**config, "torch_dtype": "bfloat16"}, indent=1))
     return out

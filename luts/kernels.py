@@ -163,7 +163,7 @@ def _tuned_calls(isa: str) -> NativeCalls:
     kernel prefetches nothing)."""
     calls = NativeCalls(_load(isa))
     if isa != "portable":
-        calls.tuning = tuning.tune(isa, build.library(isa), calls, default_threads())
+        tuning.tune(isa, build.library(isa), calls, default_threads())
     return calls
 
 
@@ -189,8 +189,6 @@ class NativeCalls:
 
     A weight goes over as its :attr:`TiledWeight.native` struct (checked when first built).
     """
-
-    tuning: tuning.Tuning | None = None  # the prefetch distance set, and how it was chosen
 
     def __init__(self, lib: ctypes.CDLL):
         self.lib = lib

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,8 +62,8 @@ class TiledWeight:
     def groups(self) -> int:
         return self.shape[1] // self.group
 
-    def check(self) -> None:
-        """Raise WeightError unless the arrays have the shapes and dtypes the format implies."""
+    def check(self, fix: str = "re-tile it with npumoe.luts.layout.to_tiles") -> None:
+        """Raise WeightError unless the arrays have the shapes and dtypes the format implies (``fix`` ends it)."""
         spec.check_format(self.bits, self.group, self.shape[1])
         nb, k = self.row_blocks, self.shape[1]
         expected = {"tiles": ((nb, k // TILE_K, self.bits, TILE_BYTES), np.uint8),
@@ -74,7 +75,7 @@ class TiledWeight:
             if a.shape != shape or a.dtype != dtype or not a.flags.c_contiguous:
                 raise WeightError(f"tiled {name} is {a.dtype}{list(a.shape)} but a {self.bits}-bit {self.shape[0]}×{k} "
                                   f"weight with group {self.group} needs contiguous {np.dtype(dtype)}{list(shape)}; "
-                                  "re-tile it with npumoe.luts.layout.to_tiles.")
+                                  f"{fix}.")
 
     @functools.cached_property
     def native(self) -> NativeWeight:
@@ -126,6 +127,41 @@ def to_tiles(packed: spec.Packed) -> TiledWeight:
     tiles = np.ascontiguousarray(tile_bytes.transpose(1, 3, 0, 4, 2)).reshape(nb, k // TILE_K, m.bits, TILE_BYTES)
     zeros = None if m.symmetric else _blocked(packed.zeros, nb)
     return TiledWeight(m.bits, m.group, m.shape, tiles, _blocked(packed.scales, nb), zeros, m.checksum)
+
+
+def tiles_checksum(tiled: TiledWeight) -> str:
+    """crc32 of the format and the tiled arrays, read in place (a mapped checkpoint's pages are not copied): what a
+    stored tiled weight is checked against at load. ``TiledWeight.checksum`` is the packed form's, which only a
+    conversion back (:func:`from_tiles`) can check."""
+    n, k = tiled.shape
+    crc = zlib.crc32(np.asarray([tiled.bits, tiled.group, int(tiled.zeros is None), n, k], dtype="<i8").tobytes())
+    for a in (tiled.tiles, tiled.scales, tiled.zeros):
+        if a is not None:
+            crc = zlib.crc32(np.ascontiguousarray(a).data, crc)
+    return f"{crc:08x}"
+
+
+def tiled_bytes(bits: int, group: int, shape: tuple[int, int], symmetric: bool) -> dict[str, int]:
+    """Bytes of each array of a tiled [N, K] weight (rows padded to a block of 16)."""
+    nb, k = _row_blocks(shape[0]), shape[1]
+    blocked = nb * (k // group) * ROWS
+    return {"tiles": nb * (k // TILE_K) * bits * TILE_BYTES, "scales": 2 * blocked} | ({} if symmetric else
+                                                                                        {"zeros": blocked})
+
+
+BLOCK_ROWS = 4096  # rows quantised at a time by quantize_tiles: an LM head's temporaries are GBs whole
+
+
+def quantize_tiles(rows, shape: tuple[int, int], bits: int, group: int, symmetric: bool = False) -> TiledWeight:
+    """``to_tiles(spec.quantize_pack(W))`` of W [N, K] read :data:`BLOCK_ROWS` rows at a time (``rows(start, stop)``
+    gives them as fp32): quantisation is per row and tiling per 16 rows, so the result is the same and memory holds
+    one block's temporaries. The result carries no packed checksum (:func:`tiles_checksum` is its own)."""
+    n, k = shape
+    blocks = [to_tiles(spec.quantize_pack(rows(start, min(start + BLOCK_ROWS, n)), bits, group, symmetric))
+              for start in range(0, n, BLOCK_ROWS)]
+    zeros = None if symmetric else np.concatenate([b.zeros for b in blocks])
+    return TiledWeight(bits, group, (n, k), np.concatenate([b.tiles for b in blocks]),
+                       np.concatenate([b.scales for b in blocks]), zeros)
 
 
 def from_tiles(tiled: TiledWeight) -> spec.Packed:

@@ -281,11 +281,12 @@ def _(x, tiles, scales, zeros, bits, group, out_features):
 
 
 class LutLinear(torch.nn.Module):
-    """A linear layer whose weight is stored packed; its buffers are the op's tensors."""
+    """A linear layer whose weight is stored packed; its buffers are the op's tensors (a tiled weight's own arrays,
+    not copies: a mapped checkpoint's stay mapped)."""
 
-    def __init__(self, packed: spec.Packed, bias: torch.Tensor | None = None):
+    def __init__(self, weight: spec.Packed | layout.TiledWeight, bias: torch.Tensor | None = None):
         super().__init__()
-        tiled = layout.to_tiles(packed)
+        tiled = weight if isinstance(weight, layout.TiledWeight) else layout.to_tiles(weight)
         self.bits, self.group = tiled.bits, tiled.group
         self.out_features, self.in_features = tiled.shape
         self.register_buffer("tiles", torch.from_numpy(tiled.tiles))

@@ -210,11 +210,11 @@ def test_a_disk_filling_up_mid_write_is_one_line_and_keeps_the_earlier_output(tm
     before = contents(out)
     add, added = SafetensorsWriter.add, []
 
-    def add_until_full(self, name, tensor):
+    def add_until_full(self, name, tensor, **options):
         if len(added) == 5:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         added.append(name)
-        add(self, name, tensor)
+        add(self, name, tensor, **options)
 
     monkeypatch.setattr(SafetensorsWriter, "add", add_until_full)
     err = cli_error(capsys, "quantize", "--model", str(DEMO_DIR), "--bits", "3", "--out", str(out))

@@ -15,7 +15,7 @@ import npumoe
 from npumoe.cli import main
 from npumoe.core.base.errors import BackendUnavailableError, InputError, UnsupportedModelError, WeightError
 from npumoe.core.ir.weights import Weights, weight_shape
-from npumoe.luts import kernels, spec, torch_op
+from npumoe.luts import kernels, layout, spec, torch_op
 from npumoe.luts.torch_op import LutLinear
 from npumoe.models.checkpoints import lut as checkpoint
 from npumoe.models.checkpoints.directory import read_tensors
@@ -259,7 +259,7 @@ NAME = "layers.1.moe.experts.2.down.weight"
 
 
 def flip_a_bit(tensors):
-    tensors[f"{NAME}.planes"][0, 3, 5] ^= 4
+    tensors[f"{NAME}.tiles"][0, 1, 2, 5] ^= 4
 
 
 def reshape_meta(meta):
@@ -271,8 +271,9 @@ def drop_zeros(tensors):
 
 
 @pytest.mark.parametrize("edit, match", [
-    (dict(edit_tensors=flip_a_bit), "checksum mismatch .* corrupted"),
-    (dict(edit_meta=reshape_meta), r"packed planes has shape \[4, 64, 16\] but a 4-bit 64×64 weight"),
+    (dict(edit_tensors=flip_a_bit), "fails its checksum .* corrupted; re-run npumoe quantize"),
+    (dict(edit_meta=reshape_meta), r"tiled tiles is uint8\[4, 4, 4, 64\] but a 4-bit 64×64 weight .* needs "
+                                   r"contiguous uint8\[4, 2, 4, 64\]; re-run npumoe quantize"),
     (dict(edit_tensors=drop_zeros), f"lacks its '{NAME}.zeros' entry"),
     (dict(edit_meta=lambda meta: meta.clear() or None),
      f"missing tensor '{NAME.replace('1.moe.experts.2.down', '0.moe.experts.0.gate')}'"),
@@ -298,6 +299,63 @@ def test_unknown_format_version_and_missing_metadata_are_refused(source, tmp_pat
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(WeightError, match="cannot read .* re-quantise the original model"):
         npumoe.load(tmp_path)
+
+
+def mapping_of(address: int) -> str:
+    """The path /proc/self/maps gives for the mapping holding ``address`` ("" for anonymous memory)."""
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split(maxsplit=5)
+        start, end = (int(a, 16) for a in span.split("-"))
+        if start <= address < end:
+            return rest[-1].strip() if len(rest) == 5 else ""
+    raise AssertionError(f"{address:#x} is in no mapping")
+
+
+def test_packed_matrices_are_views_of_the_mapped_file_on_cache_lines(quantized):
+    """Loading copies and re-tiles nothing: the kernels' tiles, scales and zeros are the file's pages."""
+    model = npumoe.load(quantized)
+    file = str((quantized / checkpoint.WEIGHTS_FILE).resolve())
+    for name in checkpoint.quantized_names(model.spec):
+        linear = model.weights.packed[name]
+        for buffer in (linear.tiles, linear.scales, linear.zeros):
+            assert mapping_of(buffer.data_ptr()) == file, name
+        assert linear.tiles.data_ptr() % checkpoint.TILES_ALIGN == 0, name
+
+
+def rewritten_by_safetensors(quantized, out, planes: bool):
+    """The checkpoint re-saved by the safetensors library (which places tensors its own way, off cache lines);
+    with ``planes``, in the version-1 layout: spec.Packed's bit planes, re-tiled at load."""
+    import shutil
+
+    shutil.copytree(quantized, out)
+    with safe_open(str(quantized / checkpoint.WEIGHTS_FILE), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        meta = json.loads(f.metadata()[checkpoint.METADATA_KEY])
+    if planes:
+        for name, m in meta.items():
+            arrays = {part: tensors.pop(f"{name}.{part}").numpy() for part in checkpoint.PARTS
+                      if f"{name}.{part}" in tensors}
+            tiled = layout.TiledWeight(m["bits"], m["group"], tuple(m["shape"]), arrays["tiles"], arrays["scales"],
+                                       arrays.get("zeros"))
+            packed = layout.from_tiles(tiled)
+            for part in checkpoint.PLANES_PARTS:
+                tensors[f"{name}.{part}"] = torch.from_numpy(getattr(packed, part))
+            meta[name] = dataclasses.asdict(packed.meta)
+        cfg = json.loads((out / "config.json").read_text())
+        cfg[checkpoint.SECTION]["version"] = checkpoint.PLANES_VERSION
+        (out / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(out / checkpoint.WEIGHTS_FILE), metadata={checkpoint.METADATA_KEY: json.dumps(meta)})
+    return out
+
+
+@pytest.mark.parametrize("planes", [False, True], ids=["tiles-unaligned", "version-1-planes"])
+def test_other_layouts_of_the_same_codes_give_the_same_logits(quantized, tmp_path, planes):
+    ids = np.array([3, 17, 5, 60, 2, 9, 41, 8])
+    expected = npumoe.Engine(npumoe.load(quantized), chunk=8).forward(ids)
+    other = npumoe.load(rewritten_by_safetensors(quantized, tmp_path / "other", planes))
+    if not planes:
+        assert any(b.tiles.data_ptr() % checkpoint.TILES_ALIGN for b in other.weights.packed.values())
+    assert np.array_equal(npumoe.Engine(other, chunk=8).forward(ids), expected)
 
 
 def test_stacked_expert_checkpoints_quantise_the_same_matrices(tmp_path):

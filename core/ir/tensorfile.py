@@ -12,6 +12,9 @@ safetensors library checks it (whole-number shapes and offsets, each tensor's by
 section and exactly its dtype × shape, no two tensors sharing bytes), so a truncated or malformed file
 is an error naming it, never a crash or a tensor read from another's bytes. A tensor stored in two
 files is an error naming both: which copy is meant, nothing says.
+
+The format allows no gaps between tensors, so a writer that aligns a tensor (the LUT kernels' tiles start
+on a cache line) fills the gap with a padding tensor named ``__padding__.<n>``; readers here do not list those.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from npumoe.core.base.errors import WeightError
 
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100 << 20  # the safetensors library's own limit
+PADDING = "__padding__."  # names of the filler tensors an aligned write leaves between tensors
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -118,7 +122,7 @@ def _parse_header(path: Path) -> tuple[dict[str, StoredTensor], dict[str, str]]:
                       f"of {data_size} data bytes; the file is truncated or damaged")
         entries[key] = StoredTensor(path, key, dtype, shape, base + begin, nbytes)
     _check_no_overlap(entries, bad)
-    return entries, metadata
+    return {key: e for key, e in entries.items() if not key.startswith(PADDING)}, metadata
 
 
 def _check_no_overlap(entries: dict[str, StoredTensor], bad) -> None:
@@ -191,22 +195,26 @@ class SafetensorsWriter:
     (``tensors`` sizes it: the number of tensors to come); ``finish`` writes the header into that room,
     padded with spaces as the format allows, and renames the file into place, so the data is written
     once and an interrupted write leaves nothing under the final name. A header that outgrows its room
-    is written the slow way: header, then the data copied after it."""
+    is written the slow way: header, then the data copied after it. The data section starts on a multiple of
+    ``ALIGN`` bytes of the file, so a tensor added with ``align`` up to that lies at such a multiple in a mapping."""
 
-    ALIGN = 8  # safetensors pads the header so data starts aligned
+    ALIGN = 64  # safetensors pads the header with spaces; 64 puts the data on a cache line
     HEADER_BYTES_PER_TENSOR = 256  # a name of up to ~150 characters with its dtype, shape and offsets
 
     def __init__(self, path: Path, tensors: int = 0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = self.path.with_name(f".{self.path.name}.tmp")
-        self._room = 8 + -(-(64 + tensors * self.HEADER_BYTES_PER_TENSOR) // self.ALIGN) * self.ALIGN
+        self._room = -(-(8 + 64 + tensors * self.HEADER_BYTES_PER_TENSOR) // self.ALIGN) * self.ALIGN
         self._data = open(self._tmp, "wb")
         self._data.seek(self._room)
         self._header: dict[str, dict] = {}
         self._offset = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
+    def add(self, name: str, tensor: torch.Tensor, align: int = 1) -> None:
+        """Append ``tensor``; with ``align``, its data starts at a multiple of that many bytes (≤ ``ALIGN``)."""
+        if gap := -self._offset % align:
+            self.add(f"{PADDING}{len(self._header)}", torch.zeros(gap, dtype=torch.uint8))
         tensor = tensor.detach().contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         if nbytes:
@@ -228,7 +236,7 @@ class SafetensorsWriter:
                 self._data.close()
             else:
                 self._data.close()
-                self._rewrite_with(blob + b" " * (-len(blob) % self.ALIGN))
+                self._rewrite_with(blob + b" " * (-(8 + len(blob)) % self.ALIGN))
             self._tmp.replace(self.path)
         finally:
             self._data.close()

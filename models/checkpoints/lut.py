@@ -7,18 +7,21 @@ What ``npumoe quantize`` writes and ``npumoe.load`` reads:
                        foreign formats (GPTQ, AWQ, FP8), which the loader refuses.
     model.safetensors  every tensor under its canonical name (:mod:`npumoe.core.ir.weights`), not
                        the Hugging Face one, so no adapter has to map it back. A quantised matrix
-                       NAME is stored as ``NAME.planes`` / ``NAME.scales`` / ``NAME.zeros``
-                       (:class:`npumoe.luts.spec.Packed`'s arrays) and described in the header
-                       metadata ``"npumoe.luts"``: {NAME: {bits, group, symmetric, shape, checksum}};
-                       the checksum is checked on load, so a corrupted plane is an error, not noise.
-                       Other tensors keep their stored dtype.
+                       NAME is stored in the kernels' tiled layout (:mod:`npumoe.luts.layout`) as
+                       ``NAME.tiles`` (on a 64-byte boundary) / ``NAME.scales`` / ``NAME.zeros``
+                       (absent for symmetric weights) and described in the header metadata
+                       ``"npumoe.luts"``: {NAME: {bits, group, symmetric, shape, checksum}}; the
+                       checksum (:func:`~npumoe.luts.layout.tiles_checksum`) is checked on load, so a
+                       corrupted tile is an error, not noise. Other tensors keep their stored dtype.
     anything else      (tokenizer files, generation config) copied as is.
 
-On load a packed matrix stays packed (:class:`QuantizedWeights`): the CPU executor runs it
+On load a packed matrix stays packed (:class:`QuantizedWeights`), its tiles views of the mapped file
+(nothing is re-tiled or copied, so the pages are the page cache's): the CPU executor runs it
 through ``npumoe::lut_linear``, and a backend that lowers fp32 weights gets it dequantised
 when it asks for it, so a loaded model holds its experts at their packed size. Foreign formats
 whose codes are LUT codes too load through the same class: GPTQ exports packed at load, gpt-oss
-MXFP4 experts packed when first used (:class:`Deferred`).
+MXFP4 experts packed when first used (:class:`Deferred`). Version 1 checkpoints stored the bit planes
+(:class:`npumoe.luts.spec.Packed`'s arrays), re-tiled in private memory at load; they still load.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from npumoe.core.base.errors import WeightError
@@ -41,10 +45,12 @@ from npumoe.luts.torch_op import LutLinear
 from npumoe.models.checkpoints import LINEARS
 from npumoe.models.checkpoints.directory import QUANTIZED as SECTION
 
-FORMAT, VERSION = "npumoe-luts", 1
+FORMAT, VERSION = "npumoe-luts", 2
 WEIGHTS_FILE = "model.safetensors"
 METADATA_KEY = "npumoe.luts"
-PARTS = ("planes", "scales", "zeros")
+PARTS = ("tiles", "scales", "zeros")  # a TiledWeight's arrays
+PLANES_VERSION, PLANES_PARTS = 1, ("planes", "scales", "zeros")  # spec.Packed's arrays, re-tiled at load
+TILES_ALIGN = 64  # a cache line: the kernels stream tiles 64 bytes at a time
 
 
 HEAD = "lm_head.weight"
@@ -70,10 +76,16 @@ def section(bits: int, group: int, symmetric: bool, linears: str = "experts", he
             "weights": weights}
 
 
-def read(path: Path, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, spec.Packed]]:
+def stored_parts(tiled: layout.TiledWeight) -> list[tuple[str, np.ndarray]]:
+    """The tensors a packed matrix is stored as (suffix, array), in file order."""
+    return [(part, a) for part in PARTS if (a := getattr(tiled, part)) is not None]
+
+
+def read(path: Path, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, spec.Packed | layout.TiledWeight]]:
     """(plain tensors, packed matrices) of a checkpoint."""
     info = cfg[SECTION]
-    if not isinstance(info, dict) or info.get("format") != FORMAT or info.get("version") != VERSION:
+    if not isinstance(info, dict) or info.get("format") != FORMAT or info.get("version") not in (PLANES_VERSION,
+                                                                                                 VERSION):
         raise WeightError(f"{path}/config.json has an {SECTION} section npumoe {VERSION} cannot read ({info!r}); "
                           "re-quantise the original model with this version of npumoe quantize.")
     file = path / WEIGHTS_FILE
@@ -90,13 +102,32 @@ def read(path: Path, cfg: dict) -> tuple[dict[str, torch.Tensor], dict[str, spec
     if not isinstance(meta, dict):
         raise WeightError(f"{file} lacks its {METADATA_KEY!r} metadata, so its packed tensors cannot be checked; "
                           "re-run npumoe quantize.")
-    return stored, {name: _packed(name, m, stored, file) for name, m in meta.items()}
+    entry = _tiled if info["version"] == VERSION else _planes
+    return stored, {name: entry(name, m, stored, file) for name, m in meta.items()}
 
 
-def _packed(name: str, meta: dict, stored: dict, file: Path) -> spec.Packed:
+def _tiled(name: str, meta: dict, stored: dict, file: Path) -> layout.TiledWeight:
+    """A packed matrix as views of the mapped file, its checksum read in place."""
+    try:
+        symmetric = meta["symmetric"]
+        arrays = {part: stored.pop(f"{name}.{part}").numpy() for part in PARTS if not (part == "zeros" and symmetric)}
+        tiled = layout.TiledWeight(meta["bits"], meta["group"], tuple(meta["shape"]), arrays["tiles"],
+                                   arrays["scales"], arrays.get("zeros"))
+        expected = meta["checksum"]
+    except (KeyError, TypeError) as err:
+        raise WeightError(f"{file} describes a packed {name!r} but lacks its {err} entry; re-run npumoe "
+                          "quantize.") from err
+    tiled.check(fix="re-run npumoe quantize")
+    if layout.tiles_checksum(tiled) != expected:
+        raise WeightError(f"{file}: {name!r} fails its checksum (expected {expected}): the file was altered or "
+                          "corrupted; re-run npumoe quantize.")
+    return tiled
+
+
+def _planes(name: str, meta: dict, stored: dict, file: Path) -> spec.Packed:
     try:
         m = spec.PackedMeta(meta["bits"], meta["group"], meta["symmetric"], tuple(meta["shape"]), meta["checksum"])
-        arrays = [stored.pop(f"{name}.{part}").numpy() for part in PARTS]
+        arrays = [stored.pop(f"{name}.{part}").numpy() for part in PLANES_PARTS]
     except (KeyError, TypeError) as err:
         raise WeightError(f"{file} describes a packed {name!r} but lacks its {err} entry; re-run npumoe "
                           "quantize.") from err
@@ -125,10 +156,10 @@ class PackedLinears(Mapping):
     """Matrix name → :class:`LutLinear`, for the matrices held packed; a deferred one is checked and
     built when first asked about, then kept (the executor binds each once, as it would a tensor)."""
 
-    def __init__(self, entries: Mapping[str, spec.Packed | Deferred]):
+    def __init__(self, entries: Mapping[str, spec.Packed | layout.TiledWeight | Deferred]):
         self._entries = dict(entries)
         self._packable: dict[str, bool] = {}
-        self._linears = {name: LutLinear(p) for name, p in entries.items() if isinstance(p, spec.Packed)}
+        self._linears = {name: LutLinear(p) for name, p in entries.items() if not isinstance(p, Deferred)}
 
     def __contains__(self, name) -> bool:
         entry = self._entries.get(name)
@@ -173,10 +204,10 @@ class QuantizedWeights(Weights):
     """
 
     def __init__(self, tensors: Mapping[str, TensorSource | torch.Tensor], model_spec: ModelSpec,
-                 packed: Mapping[str, spec.Packed | Deferred], source: str = "", dtype: str | torch.dtype = "float32",
-                 fast_dtypes=None):
-        shapes = {name: torch.empty(p.meta.shape, device="meta") for name, p in packed.items()
-                  if isinstance(p, spec.Packed)}
+                 packed: Mapping[str, spec.Packed | layout.TiledWeight | Deferred], source: str = "",
+                 dtype: str | torch.dtype = "float32", fast_dtypes=None):
+        shapes = {name: torch.empty(p.meta.shape if isinstance(p, spec.Packed) else p.shape, device="meta")
+                  for name, p in packed.items() if not isinstance(p, Deferred)}
         super().__init__(dict(tensors) | shapes, model_spec, source, dtype, fast_dtypes)
         self.packed = PackedLinears(packed)
 

@@ -1,7 +1,8 @@
 """`npumoe quantize`: a Hugging Face checkpoint → an npumoe-quantised one (:mod:`.checkpoint`).
 
-Routed-expert matrices, most of an MoE's bytes and the ones cold experts stream from
-memory, are quantised round-to-nearest per group; every other tensor is copied unchanged. Beside the weights
+The linears (by default every one but the routers; ``linears="experts"``: the routed experts, most of an MoE's
+bytes) are quantised round-to-nearest per group and stored in the LUT kernels' tiled layout, so a load maps them
+as they are; every other tensor is copied unchanged. Beside the weights
 and config.json, only what a checkpoint needs comes along (:data:`KEPT`: the tokenizer's files, generation
 defaults, the card and licence), never the source's code or other files.
 The checkpoint is written into a staging directory beside ``--out`` that replaces it only when
@@ -15,7 +16,6 @@ import fnmatch
 import json
 import math
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from npumoe.core.base.outputs import OutputKind, check_free_space, claimed, json
 from npumoe.core.base.progress import track
 from npumoe.core.ir.tensorfile import SafetensorsWriter
 from npumoe.core.ir.weights import Weights
-from npumoe.luts import spec
+from npumoe.luts import layout, spec
 from npumoe.models.checkpoints import HEAD_BITS
 from npumoe.models.checkpoints import lut as checkpoint
 from npumoe.models.checkpoints.directory import canonical_sources, open_checkpoint
@@ -85,7 +85,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int,
         info = checkpoint.section(bits, group, symmetric, linears, head_bits if checkpoint.HEAD in names else None)
         bits_of = {name: head_bits if name == checkpoint.HEAD and head_bits is not None else bits for name in names}
         plain = {k: v for k, v in cfg.items() if k != "quantization_config"}  # the source's format is gone
-        check_free_space(out, output_bytes(weights, bits_of, group))
+        check_free_space(out, output_bytes(weights, bits_of, group, symmetric))
         with staged_directory(out) as staging:
             _write_weights(staging / checkpoint.WEIGHTS_FILE, weights, bits_of, group, symmetric, progress)
             for file in src.iterdir():
@@ -98,7 +98,7 @@ def quantize_checkpoint(src: str | Path, out: str | Path, bits: int, group: int,
 def _write_weights(path: Path, weights: Weights, packed: dict[str, int], group: int, symmetric: bool,
                    progress: bool | None) -> None:
     """Stream tensor by tensor from the mapped source into the output file: memory holds one matrix."""
-    writer = SafetensorsWriter(path, tensors=len(weights) * len(checkpoint.PARTS))  # at most: every one packed
+    writer = SafetensorsWriter(path, tensors=len(weights) * (len(checkpoint.PARTS) + 1))  # + the tiles' padding
     meta = {}
     try:
         for name in track(weights, f"quantising {len(packed)} matrices", "tensors", progress):
@@ -106,21 +106,31 @@ def _write_weights(path: Path, weights: Weights, packed: dict[str, int], group: 
             if name not in packed:
                 writer.add(name, stored)
                 continue
-            p = spec.quantize_pack(stored.float().numpy(), packed[name], group, symmetric)
-            for part in checkpoint.PARTS:
-                writer.add(f"{name}.{part}", torch.from_numpy(getattr(p, part)))
-            meta[name] = asdict(p.meta)
+            tiled = layout.quantize_tiles(lambda start, stop: stored[start:stop].float().numpy(), tuple(stored.shape),
+                                          packed[name], group, symmetric)
+            for part, array in checkpoint.stored_parts(tiled):
+                writer.add(f"{name}.{part}", torch.from_numpy(array), align=checkpoint.TILES_ALIGN if part == "tiles"
+                           else 1)
+            meta[name] = {"bits": tiled.bits, "group": group, "symmetric": symmetric, "shape": list(tiled.shape),
+                          "checksum": layout.tiles_checksum(tiled)}
         writer.finish({checkpoint.METADATA_KEY: json.dumps(meta, sort_keys=True)})
     except BaseException:
         writer.abort()
         raise
 
 
-def output_bytes(weights: Weights, packed: dict[str, int], group: int) -> int:
-    """The quantised weights' bytes, known before any is written: packed matrices in the format, the rest as stored."""
-    sources = {name: weights.source(name) for name in weights}
-    return sum(spec.packed_bytes(packed[name], group, s.shape) if name in packed
-               else math.prod(s.shape) * s.dtype.itemsize for name, s in sources.items())
+def output_bytes(weights: Weights, packed: dict[str, int], group: int, symmetric: bool) -> int:
+    """The quantised weights' bytes, known before any is written: packed matrices tiled, each tiles array on a
+    cache line as :func:`_write_weights` places it, the rest as stored."""
+    offset = 0
+    for name in weights:
+        shape = weights.source(name).shape
+        if name not in packed:
+            offset += math.prod(shape) * weights.source(name).dtype.itemsize
+            continue
+        offset += -offset % checkpoint.TILES_ALIGN
+        offset += sum(layout.tiled_bytes(packed[name], group, shape, symmetric).values())
+    return offset
 
 
 def kept(name: str) -> bool:

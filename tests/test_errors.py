@@ -373,3 +373,10 @@ def test_a_null_or_missing_config_value_is_a_default_or_one_line(config_class):
                 config_spec(check_config(cfg))
             except npumoe.NpumoeError as err:
                 assert "\n" not in str(err)
+
+
+@pytest.mark.parametrize("command", [["generate", "-n", "2"], ["build", "--target", "htp"]])
+def test_a_compute_dtype_the_cpu_has_no_kernels_for_is_refused_with_the_alternative(capsys, command):
+    err = cli_error(capsys, *command, "--dtype", "float16")
+    assert err == ("error: --dtype float16 has no CPU kernels (torch runs it many times slower than float32); use "
+                   "--dtype bfloat16 for 2 bytes a weight on the bf16 kernels, or auto.")

@@ -20,9 +20,23 @@ def model_option(f):
     )(f)
 
 
+class CpuDtype(click.Choice):
+    """The compute dtypes the CPU path has kernels for; ``float16`` (a policy of the Python API) is refused with the
+    reason, since torch computes it on a CPU many times slower than fp32."""
+
+    def __init__(self):
+        super().__init__([p for p in DTYPE_POLICIES if p != "float16"])
+
+    def convert(self, value, param, ctx):
+        if value == "float16":
+            raise InputError("--dtype float16 has no CPU kernels (torch runs it many times slower than float32); use "
+                             "--dtype bfloat16 for 2 bytes a weight on the bf16 kernels, or auto.")
+        return super().convert(value, param, ctx)
+
+
 def dtype_option(f):
     return click.option(
-        "--dtype", default="auto", show_default=True, type=click.Choice(DTYPE_POLICIES),
+        "--dtype", default="auto", show_default=True, type=CpuDtype(),
         help="Compute dtype of the weight matrices: auto = the stored bf16 where this CPU's kernels compute from "
              "it faster than from fp32, else float32 when an fp32 copy fits comfortably in free memory, else the "
              "stored dtype (norms, router and attention scores stay fp32).",

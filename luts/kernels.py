@@ -145,7 +145,7 @@ def kernels(isa: str | None = None) -> LutKernels:
     if isa == "auto":
         for candidate in available()[:-1]:
             try:
-                return LutKernels(candidate, _tuned_calls(candidate))
+                return LutKernels(candidate, *_tuned(candidate))
             except BackendUnavailableError:
                 continue
         isa = "portable"
@@ -154,17 +154,17 @@ def kernels(isa: str | None = None) -> LutKernels:
     if isa not in available():
         raise BackendUnavailableError(f"the {isa} LUT kernel needs {NEEDS[isa]}, which this CPU lacks; use auto "
                                       f"or one of {', '.join(available())}.")
-    return LutKernels(isa, _tuned_calls(isa))
+    return LutKernels(isa, *_tuned(isa))
 
 
 @functools.cache
-def _tuned_calls(isa: str) -> NativeCalls:
-    """The library's calls with its prefetch distance set for this machine (:mod:`npumoe.luts.tuning`; the portable
-    kernel prefetches nothing)."""
+def _tuned(isa: str) -> tuple[NativeCalls, tuning.Crossovers]:
+    """The library's calls with its prefetch distance set for this machine, and its prompt paths' crossovers
+    (:mod:`npumoe.luts.tuning`; the portable kernel, a fallback that prefetches nothing, keeps the defaults)."""
     calls = NativeCalls(_load(isa))
-    if isa != "portable":
-        tuning.tune(isa, build.library(isa), calls, default_threads())
-    return calls
+    if isa == "portable":
+        return calls, tuning.DEFAULT_CROSSOVERS[isa]
+    return calls, tuning.tune(isa, build.library(isa), calls, default_threads()).crossovers
 
 
 _FLOAT32 = np.dtype(np.float32)
@@ -364,9 +364,10 @@ def _check_table_bits(table_bits: int) -> None:
 class LutKernels:
     """LUT-GEMV (decode), LUT-dequant GEMM (prefill) and their building blocks for one ISA."""
 
-    def __init__(self, isa: str, calls):
+    def __init__(self, isa: str, calls, crossovers: tuning.Crossovers | None = None):
         self.isa = isa
         self.calls = calls
+        self.crossovers = crossovers or tuning.DEFAULT_CROSSOVERS[isa]  # where a prompt leaves the LUT-GEMV
 
     def __repr__(self) -> str:
         return f"LutKernels({self.isa!r})"

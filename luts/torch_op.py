@@ -21,24 +21,23 @@ import torch
 from npumoe.core.base.errors import InputError
 from npumoe.luts import kernels, layout, spec
 
-GEMM_FROM = {"avx512": 4096, "avx2": 4096, "neon": 64, "portable": 64}  # rows × bits where the GEMM starts to win
-EXACT_GEMM_FROM = 64  # above 4 bits
+EXACT_GEMM_FROM = 64  # rows × bits from which weights above 4 bits take the exact dequantising GEMM
 
 
-def uses_gemm(rows: int, bits: int, isa: str | None = None) -> bool:
-    """Dequantise once (GEMM) from ``rows × bits ≥ GEMM_FROM[isa]``; below, the LUT-GEMV (a few rows at a time, each
-    tile read once for them). At 3-4 bits the int8 GEMM comes first where the build and CPU have one
-    (:func:`uses_int8`).
+def uses_gemm(rows: int, bits: int, run: kernels.LutKernels | None = None) -> bool:
+    """Dequantise once (GEMM) from the rows × bits this machine's crossover measured (``run.crossovers.dequant``,
+    :mod:`npumoe.luts.tuning`); below, the LUT-GEMV (a few rows at a time, each tile read once for them). At 3-4
+    bits the int8 GEMM comes first where the build and CPU have one (:func:`uses_int8`).
 
-    A LUT-GEMV's table lookups grow with bits × rows; the GEMM's dequantisation costs about the same
-    at any width. On both x86 builds the multi-row GEMV took less time than the GEMM at every row count
-    measured (up to 1024 rows at 1-2 bits), so the GEMM from 2048 rows at 2 bits is a guess. NEON and portable
-    keep the old AVX2 rule, a crossing at about 8 rows at 4 bits and 32 at 2 (not measured: NEON runs here only
-    under emulation). Above 4 bits the GEMV's 8-bit activation tables, not the weights, set its error (MXFP4
-    experts, 8-bit heads), so the exact dequantising GEMM takes over early there, whatever the ISA.
-    Measurements: docs/performance.md, "Prefill paths (LUT)".
+    A LUT-GEMV's table lookups grow with bits × rows; the GEMM's dequantisation costs about the same at any width.
+    Above 4 bits the GEMV's 8-bit activation tables, not the weights, set its error (MXFP4 experts, 8-bit heads), so
+    the exact dequantising GEMM takes over early there, whatever the machine. Measurements: docs/performance.md,
+    "Prefill paths (LUT)".
     """
-    return rows * bits >= (GEMM_FROM[isa or _kernels().isa] if bits <= 4 else EXACT_GEMM_FROM)
+    if bits > 4:
+        return rows * bits >= EXACT_GEMM_FROM
+    crossover = (run or _kernels()).crossovers.dequant
+    return crossover is not None and rows * bits >= crossover
 
 
 @functools.cache
@@ -127,26 +126,22 @@ def _compute(x: torch.Tensor, weight: layout.TiledWeight) -> torch.Tensor:
 def lut_product(run: kernels.LutKernels, weight: layout.TiledWeight, rows: np.ndarray, threads: int):
     """(y [M, N] = rows · Wᵀ, the path's name) by the path the op takes for M rows on ``run`` 's build: the
     dequantising GEMM, the int8 GEMM or the LUT-GEMV."""
-    if uses_int8(rows.shape[0], weight.bits) and (y := run.gemm_int8(weight, rows, threads)) is not None:
+    if uses_int8(rows.shape[0], weight.bits, run) and (y := run.gemm_int8(weight, rows, threads)) is not None:
         return y, "int8 GEMM"
-    if uses_gemm(rows.shape[0], weight.bits, run.isa):
+    if uses_gemm(rows.shape[0], weight.bits, run):
         return run.gemm(weight, rows, threads), "dequant GEMM"
     return run.gemv(weight, rows, threads=threads), "LUT-GEMV"
 
 
-INT8_FROM = 8  # rows from which 3-4-bit weights take the int8-activation GEMM where the build has one
-
-
-def uses_int8(rows: int, bits: int) -> bool:
-    """Quantise the activations to int8 and take byte dot products (AVX-512 VNNI, AVX2, NEON on ARMv8.2's sdot) from
-    ``INT8_FROM`` rows at 3-4 bits, ahead of the dequantising GEMM: a LUT-GEMV row costs two lookups and two dot
-    products per bit plane, an int8 row one or two instructions per vector of weights once each tile is unpacked.
-    On both x86 builds it takes less time than the multi-row GEMV from 8 rows (at 4, AVX2's took more) and less than
-    the dequantising GEMM at every row count measured. Its error is the LUT-GEMV's kind and size (spec.int8_gemv;
-    NMSE against fp32 3.5e-5 where the LUT-GEMV's is 5.7e-5 on Gaussian weights and activations). NEON keeps the x86
-    rows: not measured, only its inner loop estimated (`npumoe bench neon`). Measurements and estimates:
-    docs/performance.md, "Prefill paths (LUT)" and "bench neon"."""
-    return rows >= INT8_FROM and 3 <= bits <= 4
+def uses_int8(rows: int, bits: int, run: kernels.LutKernels | None = None) -> bool:
+    """Quantise the activations to int8 and take byte dot products (AVX-512 VNNI, AVX2, NEON on ARMv8.2's sdot) at
+    3-4 bits from the rows this machine's crossover measured (``run.crossovers.int8``, :mod:`npumoe.luts.tuning`),
+    ahead of the dequantising GEMM: a LUT-GEMV row costs two lookups and two dot products per bit plane, an int8
+    row one or two instructions per vector of weights once each tile is unpacked. Its error is the LUT-GEMV's kind
+    and size (spec.int8_gemv; NMSE against fp32 3.5e-5 where the LUT-GEMV's is 5.7e-5 on Gaussian weights and
+    activations). Measurements: docs/performance.md, "Prefill paths (LUT)" and "bench neon"."""
+    crossover = (run or _kernels()).crossovers.int8
+    return 3 <= bits <= 4 and crossover is not None and rows >= crossover
 
 
 # Rows up to which the bf16 GEMV beats widening the matrix for torch's fp32 GEMM, per ISA: the AVX-512 build wins to

@@ -1,11 +1,15 @@
-"""The LUT-GEMV's prefetch distance, measured on this machine at first use.
+"""The LUT kernels' machine-dependent choices, measured on this machine at first use: the GEMV's prefetch distance
+and the row counts from which a prompt's product leaves the LUT-GEMV for a GEMM.
 
 How far ahead the GEMV asks for weight lines (``csrc/lut.h``) depends on the machine's DRAM latency and read rate:
 a distance tuned on one CPU was too far on the next. So the first process that loads a kernel build on a machine
 times the int4 GEMV over a weight larger than the caches at each distance of a small grid, in interleaved rounds,
-and keeps the fastest. The choice is cached beside the compiled libraries, keyed by the build and the CPU, so later
-processes read it and a changed CPU (a migrated VM, a copied cache) measures again.
-``NPUMOE_LUT_PREFETCH=<bytes>`` sets the distance by hand and measures nothing.
+and keeps the fastest. Where the multi-row LUT-GEMV stops winning depends on the core's lookups against its dot
+products, so the same process times a small hot product at each row count of :data:`ROW_GRID` on each path
+(:class:`Crossovers`). The choices are cached beside the compiled libraries, keyed by the build and the CPU, so
+later processes read them and a changed CPU (a migrated VM, a copied cache) measures again.
+``NPUMOE_LUT_PREFETCH=<bytes>`` sets the distance and ``NPUMOE_LUT_CROSSOVERS=<int8 rows>,<rows × bits>`` (each a
+number or ``never``; ``defaults`` for the built-in ones) the crossovers by hand; with both set nothing is measured.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import json
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,34 +30,72 @@ from npumoe.core.base.machine import available_memory
 
 GRID = (4096, 8192, 12288, 16384, 24576, 32768)  # bytes ahead; csrc/lut.h's default is 12288
 ROUNDS = 3  # each distance's best pass of this many, the rounds interleaved over the grid ...
-BUDGET_S = 1.5  # ... or of as many rounds as fit in this (at least one): a first use waits for it
+BUDGET_S = 1.2  # ... or of as many rounds as fit in this (at least one): a first use waits for it
+CROSSOVER_BUDGET_S = 0.5  # the same for the crossovers' rounds
 K, GROUP, BITS = 4096, 64, 4  # the swept weight: 4096 inputs, int4 in groups of 64 (`bench lut`'s format)
 MIN_SWEEP_BYTES, MAX_SWEEP_BYTES = 64 << 20, 256 << 20
+
+
+ROW_GRID = (4, 8, 16, 32, 64, 128, 256, 512)  # prompt rows timed on each path
+CROSSOVER_N, CROSSOVER_K = 512, 1024  # the timed product's weight (hot in cache: a prompt reads it once for all rows)
+
+
+@dataclass(frozen=True)
+class Crossovers:
+    """Where a prompt's product leaves the LUT-GEMV (whose lookups grow with rows × bits): for the int8 GEMM at 3-4
+    bits from ``int8`` rows, for the dequantising GEMM at 1-4 bits from ``dequant`` rows × bits; None: never (it
+    did not win up to the grid's last row count, or the build has no such path)."""
+
+    int8: int | None
+    dequant: int | None
+
+
+DEFAULT_CROSSOVERS = {"avx512": Crossovers(8, 4096), "avx2": Crossovers(8, 4096), "neon": Crossovers(8, 64),
+                      "portable": Crossovers(8, 64)}  # before measuring: docs/performance.md, "Prefill paths (LUT)"
 
 
 @dataclass(frozen=True)
 class Tuning:
     prefetch: int  # bytes ahead of the read the GEMV prefetches into L2
-    source: str  # "measured", "cached" or "NPUMOE_LUT_PREFETCH"
+    crossovers: Crossovers
+    source: str  # "measured", "cached" or "environment"
     ms_by_distance: dict[str, float]  # the sweep's best pass per distance (empty unless measured)
+    ms_by_rows: dict[str, dict[str, float]]  # path → row count → best time (empty unless measured)
     seconds: float  # what the measurement took
 
 
 def tune(isa: str, library: Path, calls, threads: int) -> Tuning:
-    """Set ``calls``' library to this machine's prefetch distance: from the environment, the cache, or measured now
-    (and cached)."""
-    chosen = os.environ.get("NPUMOE_LUT_PREFETCH")
-    if chosen is not None:
-        if not chosen.isdigit() or int(chosen) < 128:
-            raise InputError(f"NPUMOE_LUT_PREFETCH={chosen!r} is not a byte count of 128 or more; unset it to let "
-                             "npumoe measure the distance.")
-        calls.set_prefetch(int(chosen))
-        return Tuning(int(chosen), "NPUMOE_LUT_PREFETCH", {}, 0.0)
-    tuning = _read(cache_path(isa, library, threads))
-    if tuning is None:
-        return retune(isa, library, calls, threads)
+    """Set ``calls``' library to this machine's prefetch distance and return its choices: from the environment, the
+    cache, or measured now (and cached)."""
+    prefetch, crossovers = _prefetch_from_environment(), _crossovers_from_environment(isa)
+    if prefetch is not None and crossovers is not None:
+        tuning = Tuning(prefetch, crossovers, "environment", {}, {}, 0.0)
+    else:
+        tuning = _read(cache_path(isa, library, threads)) or retune(isa, library, calls, threads)
+        tuning = replace(tuning, prefetch=prefetch or tuning.prefetch, crossovers=crossovers or tuning.crossovers)
     calls.set_prefetch(tuning.prefetch)
     return tuning
+
+
+def _prefetch_from_environment() -> int | None:
+    chosen = os.environ.get("NPUMOE_LUT_PREFETCH")
+    if chosen is not None and (not chosen.isdigit() or int(chosen) < 128):
+        raise InputError(f"NPUMOE_LUT_PREFETCH={chosen!r} is not a byte count of 128 or more; unset it to let "
+                         "npumoe measure the distance.")
+    return None if chosen is None else int(chosen)
+
+
+def _crossovers_from_environment(isa: str) -> Crossovers | None:
+    chosen = os.environ.get("NPUMOE_LUT_CROSSOVERS")
+    if chosen is None:
+        return None
+    if chosen == "defaults":
+        return DEFAULT_CROSSOVERS[isa]
+    fields = chosen.split(",")
+    if len(fields) != 2 or not all(f == "never" or (f.isdigit() and int(f) > 0) for f in fields):
+        raise InputError(f"NPUMOE_LUT_CROSSOVERS={chosen!r} is not '<int8 rows>,<rows × bits>' (each a positive "
+                         "number or never, e.g. 8,4096) or 'defaults'; unset it to let npumoe measure them.")
+    return Crossovers(*(None if f == "never" else int(f) for f in fields))
 
 
 def retune(isa: str, library: Path, calls, threads: int) -> Tuning:
@@ -65,8 +107,17 @@ def retune(isa: str, library: Path, calls, threads: int) -> Tuning:
 
 
 def measure(calls, threads: int) -> Tuning:
-    """The grid's fastest distance for one GEMV pass over a weight of :func:`sweep_bytes` (the library is left at
-    the last distance tried; :func:`retune` sets the chosen one)."""
+    """The prefetch sweep, then the crossovers at the chosen distance."""
+    start = time.perf_counter()
+    prefetch, ms_by_distance = measure_prefetch(calls, threads)
+    calls.set_prefetch(prefetch)
+    crossovers, ms_by_rows = measure_crossovers(calls, threads)
+    return Tuning(prefetch, crossovers, "measured", ms_by_distance, ms_by_rows, round(time.perf_counter() - start, 3))
+
+
+def measure_prefetch(calls, threads: int) -> tuple[int, dict[str, float]]:
+    """The grid's fastest distance for one GEMV pass over a weight of :func:`sweep_bytes`, and each distance's best
+    pass in ms (the library is left at the last distance tried)."""
     from npumoe.luts.layout import ROWS, TILE_BYTES, TILE_K, TiledWeight
 
     start = time.perf_counter()
@@ -87,9 +138,51 @@ def measure(calls, threads: int) -> Tuning:
             began = time.perf_counter()
             calls.gemv(weight, x, 1, 8, y, None, threads)
             best[distance] = min(best[distance], time.perf_counter() - began)
-    chosen = min(GRID, key=best.get)
-    return Tuning(chosen, "measured", {str(d): round(best[d] * 1e3, 3) for d in GRID},
-                  round(time.perf_counter() - start, 3))
+    return min(GRID, key=best.get), {str(d): round(best[d] * 1e3, 3) for d in GRID}
+
+
+def measure_crossovers(calls, threads: int) -> tuple[Crossovers, dict[str, dict[str, float]]]:
+    """Each path's best time at each row count of :data:`ROW_GRID` (interleaved rounds) on a hot
+    :data:`CROSSOVER_N` × :data:`CROSSOVER_K` weight: int4 on the LUT-GEMV and the int8 GEMM, int2 on the LUT-GEMV
+    and the dequantising GEMM. The LUT-GEMV of int4 also answers for 3 bits and that of int2 for 1."""
+    from npumoe.luts.layout import to_tiles
+    from npumoe.luts.spec import quantize_pack
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((CROSSOVER_N, CROSSOVER_K), dtype=np.float32)
+    weights = {bits: to_tiles(quantize_pack(w, bits, GROUP)) for bits in (2, 4)}
+    x = rng.standard_normal((ROW_GRID[-1], CROSSOVER_K), dtype=np.float32)
+    y = np.empty((ROW_GRID[-1], CROSSOVER_N), np.float32)
+    int8 = hasattr(calls, "gemm_i8") and calls.gemm_i8(weights[4], x[:1], y[:1], threads)
+    paths = {"lut-gemv int4": lambda r: calls.gemv(weights[4], x[:r], r, 8, y[:r], None, threads),
+             "lut-gemv int2": lambda r: calls.gemv(weights[2], x[:r], r, 8, y[:r], None, threads),
+             "dequant gemm int2": lambda r: calls.gemm(weights[2], x[:r], y[:r], threads)}
+    if int8:
+        paths["int8 gemm int4"] = lambda r: calls.gemm_i8(weights[4], x[:r], y[:r], threads)
+    best = {name: dict.fromkeys(ROW_GRID, float("inf")) for name in paths}
+    start = time.perf_counter()
+    for round_ in range(ROUNDS):
+        if round_ and time.perf_counter() - start > CROSSOVER_BUDGET_S:
+            break
+        for rows in ROW_GRID:
+            for name, run in paths.items():
+                began = time.perf_counter()
+                run(rows)
+                best[name][rows] = min(best[name][rows], time.perf_counter() - began)
+    dequant = first_win(best["lut-gemv int2"], best["dequant gemm int2"])
+    crossovers = Crossovers(first_win(best["lut-gemv int4"], best["int8 gemm int4"]) if int8 else None,
+                            None if dequant is None else dequant * 2)
+    return crossovers, {name: {str(r): round(t * 1e3, 4) for r, t in times.items()} for name, times in best.items()}
+
+
+def first_win(incumbent: dict[int, float], challenger: dict[int, float]) -> int | None:
+    """The least row count from which ``challenger`` takes less time than ``incumbent`` at every larger count too."""
+    won = None
+    for rows in sorted(incumbent, reverse=True):
+        if challenger[rows] >= incumbent[rows]:
+            break
+        won = rows
+    return won
 
 
 def sweep_bytes() -> int:
@@ -102,8 +195,8 @@ def sweep_bytes() -> int:
 
 
 def cache_path(isa: str, library: Path, threads: int) -> Path:
-    """Where this build's distance for this CPU and thread count is kept: beside the library, named by both."""
-    return library.with_name(f"prefetch-{isa}-{cpu_key()}-{threads}t-{library.stem.rsplit('-', 1)[-1]}.json")
+    """Where this build's choices for this CPU and thread count are kept: beside the library, named by both."""
+    return library.with_name(f"tuning-{isa}-{cpu_key()}-{threads}t-{library.stem.rsplit('-', 1)[-1]}.json")
 
 
 def cpu_key() -> str:
@@ -133,10 +226,13 @@ def _last_level_cache_bytes() -> int:
 def _read(path: Path) -> Tuning | None:
     try:
         data = json.loads(path.read_text())
-        tuning = Tuning(int(data["prefetch"]), "cached", dict(data["ms_by_distance"]), float(data["seconds"]))
+        crossovers = Crossovers(**data["crossovers"])
+        tuning = Tuning(int(data["prefetch"]), crossovers, "cached", dict(data["ms_by_distance"]),
+                        dict(data["ms_by_rows"]), float(data["seconds"]))
     except (OSError, ValueError, KeyError, TypeError):
-        return None  # absent or damaged: measured again
-    return tuning if tuning.prefetch in GRID else None
+        return None  # absent, damaged or from before the crossovers: measured again
+    valid = all(c is None or (isinstance(c, int) and c > 0) for c in (crossovers.int8, crossovers.dequant))
+    return tuning if tuning.prefetch in GRID and valid else None
 
 
 def _write(path: Path, tuning: Tuning) -> None:

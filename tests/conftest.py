@@ -3,9 +3,11 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # the shared harness modules beside the tests
-# The LUT kernels' prefetch distance is set, not measured at first use (a sweep of up to 256 MB per kernel build and
-# process; tests/test_luts_tuning.py measures it): it changes no result, only speed
+# The LUT kernels' prefetch distance and prompt-path crossovers are set, not measured at first use (a sweep of up to
+# 256 MB per kernel build and process; tests/test_luts_tuning.py measures them): the distance changes no result, and
+# fixed crossovers keep each test on the same kernel path on every machine
 os.environ.setdefault("NPUMOE_LUT_PREFETCH", "12288")
+os.environ.setdefault("NPUMOE_LUT_CROSSOVERS", "defaults")
 
 import pytest  # noqa: E402
 

@@ -326,7 +326,7 @@ def test_auto_moves_past_a_kernel_the_compiler_cannot_build(monkeypatch):
         return real_load(isa)
 
     monkeypatch.setattr(kernels, "_load", load)
-    monkeypatch.setattr(kernels, "_tuned_calls", kernels._tuned_calls.__wrapped__)  # not the calls built earlier
+    monkeypatch.setattr(kernels, "_tuned", kernels._tuned.__wrapped__)  # not the calls built earlier
     monkeypatch.setattr(kernels, "available", lambda: ("avx2", "portable"))
     assert kernels.kernels().isa == "portable"
     with pytest.raises(BackendUnavailableError, match="compiling the LUT kernels failed"):

@@ -1,6 +1,7 @@
-"""The prefetch distance measured at first use (npumoe.luts.tuning): it changes no result, the sweep's fastest
-distance is the one set, cached per build and CPU, measured again when the CPU or the cache changes, and set by hand
-through NPUMOE_LUT_PREFETCH."""
+"""The prefetch distance and prompt-path crossovers measured at first use (npumoe.luts.tuning): the distance changes
+no result, the sweep's fastest distance is the one set, the crossovers follow the timings and steer the op's path,
+all cached per build and CPU, measured again when the CPU or the cache changes, and set by hand through
+NPUMOE_LUT_PREFETCH and NPUMOE_LUT_CROSSOVERS."""
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ def small_sweep(monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "MIN_SWEEP_BYTES", 8 << 20)
     monkeypatch.setattr(tuning, "MAX_SWEEP_BYTES", 8 << 20)
     monkeypatch.delenv("NPUMOE_LUT_PREFETCH", raising=False)
+    monkeypatch.delenv("NPUMOE_LUT_CROSSOVERS", raising=False)
     return tmp_path / "lut-avx2-0123456789abcdef.so"
 
 
@@ -46,7 +48,7 @@ def test_the_fastest_distance_is_set_cached_and_measured_again_for_another_cpu(s
     assert chosen.source == "measured" and set(chosen.ms_by_distance) == {str(d) for d in tuning.GRID}
     assert chosen.ms_by_distance[str(chosen.prefetch)] == min(chosen.ms_by_distance.values())
     assert calls.set_prefetch(chosen.prefetch) == chosen.prefetch
-    cached = list(small_sweep.parent.glob("prefetch-avx2-*-1t-0123456789abcdef.json"))
+    cached = list(small_sweep.parent.glob("tuning-avx2-*-1t-0123456789abcdef.json"))
     assert len(cached) == 1
 
     monkeypatch.setattr(tuning, "measure", lambda *a: pytest.fail("measured although cached"))
@@ -57,31 +59,83 @@ def test_the_fastest_distance_is_set_cached_and_measured_again_for_another_cpu(s
     monkeypatch.setattr(tuning, "MIN_SWEEP_BYTES", 8 << 20)
     monkeypatch.setattr(tuning, "MAX_SWEEP_BYTES", 8 << 20)
     monkeypatch.delenv("NPUMOE_LUT_PREFETCH", raising=False)
+    monkeypatch.delenv("NPUMOE_LUT_CROSSOVERS", raising=False)
     monkeypatch.setattr(tuning, "cpu_key", lambda: "another-cpu")
     assert tuning.tune("avx2", small_sweep, calls, threads=1).source == "measured"
-    assert len(list(small_sweep.parent.glob("prefetch-avx2-*.json"))) == 2
+    assert len(list(small_sweep.parent.glob("tuning-avx2-*.json"))) == 2
 
 
 @pytest.mark.skipif(not PREFETCHING, reason="this CPU runs only the portable kernel, which prefetches nothing")
 def test_a_damaged_cache_entry_is_measured_again(small_sweep):
     calls = kernels.kernels(PREFETCHING[0]).calls
     tuning.tune("avx2", small_sweep, calls, threads=1)
-    (entry,) = small_sweep.parent.glob("prefetch-avx2-*.json")
-    for damage in ("{", '{"prefetch": 999, "ms_by_distance": {}, "seconds": 0}', ""):
+    (entry,) = small_sweep.parent.glob("tuning-avx2-*.json")
+    for damage in ("{", '{"prefetch": 999, "ms_by_distance": {}, "seconds": 0}', "",
+                   '{"prefetch": 4096, "ms_by_distance": {}, "seconds": 0}',  # from before the crossovers
+                   '{"prefetch": 4096, "crossovers": {"int8": -1, "dequant": null}, "ms_by_distance": {}, '
+                   '"ms_by_rows": {}, "seconds": 0}'):
         entry.write_text(damage)
         assert tuning.tune("avx2", small_sweep, calls, threads=1).source == "measured"
 
 
 @pytest.mark.skipif(not PREFETCHING, reason="this CPU runs only the portable kernel, which prefetches nothing")
-def test_the_environment_sets_the_distance_without_measuring(small_sweep, monkeypatch):
+def test_the_environment_sets_the_choices_without_measuring(small_sweep, monkeypatch):
     calls = kernels.kernels(PREFETCHING[0]).calls
     monkeypatch.setattr(tuning, "measure", lambda *a: pytest.fail("measured although set by hand"))
     monkeypatch.setenv("NPUMOE_LUT_PREFETCH", "20000")
+    monkeypatch.setenv("NPUMOE_LUT_CROSSOVERS", "16,never")
     chosen = tuning.tune("avx2", small_sweep, calls, threads=1)
-    assert (chosen.source, chosen.prefetch) == ("NPUMOE_LUT_PREFETCH", 20000)
-    assert not list(small_sweep.parent.glob("prefetch-*.json"))
-    for bad in ("far", "64", "-1"):
-        monkeypatch.setenv("NPUMOE_LUT_PREFETCH", bad)
-        with pytest.raises(InputError, match="NPUMOE_LUT_PREFETCH"):
-            tuning.tune("avx2", small_sweep, calls, threads=1)
+    assert (chosen.source, chosen.prefetch, chosen.crossovers) == ("environment", 20000, tuning.Crossovers(16, None))
+    monkeypatch.setenv("NPUMOE_LUT_CROSSOVERS", "defaults")
+    assert tuning.tune("avx2", small_sweep, calls, threads=1).crossovers == tuning.DEFAULT_CROSSOVERS["avx2"]
+    assert not list(small_sweep.parent.glob("tuning-*.json"))
+    for name, bad in [("NPUMOE_LUT_PREFETCH", "far"), ("NPUMOE_LUT_PREFETCH", "64"), ("NPUMOE_LUT_PREFETCH", "-1"),
+                      ("NPUMOE_LUT_CROSSOVERS", "8"), ("NPUMOE_LUT_CROSSOVERS", "0,64"),
+                      ("NPUMOE_LUT_CROSSOVERS", "8,sometimes")]:
+        with monkeypatch.context() as m:
+            m.setenv(name, bad)
+            with pytest.raises(InputError, match=name):
+                tuning.tune("avx2", small_sweep, calls, threads=1)
     calls.set_prefetch(12288)
+
+
+@pytest.mark.skipif(not PREFETCHING, reason="this CPU runs only the portable kernel, whose crossovers are the defaults")
+def test_the_crossovers_are_where_the_measured_times_cross(small_sweep):
+    """Each crossover is the least row count of the grid from which the challenger's time stays below the LUT-GEMV's
+    in the measurement's own table (int2 × 2 for rows × bits), or None where it never does."""
+    chosen = tuning.tune("avx2", small_sweep, kernels.kernels(PREFETCHING[0]).calls, threads=1)
+    times = {name: {int(r): ms for r, ms in by_rows.items()} for name, by_rows in chosen.ms_by_rows.items()}
+    assert set(times["lut-gemv int4"]) == set(tuning.ROW_GRID)
+    dequant = tuning.first_win(times["lut-gemv int2"], times["dequant gemm int2"])
+    assert chosen.crossovers.dequant == (None if dequant is None else 2 * dequant)
+    if "int8 gemm int4" in times:  # builds with byte dot products
+        assert chosen.crossovers.int8 == tuning.first_win(times["lut-gemv int4"], times["int8 gemm int4"])
+
+
+def test_first_win_is_where_the_challenger_stays_ahead():
+    lut = {4: 1.0, 8: 2.0, 16: 4.0, 32: 8.0}
+    assert tuning.first_win(lut, {4: 0.5, 8: 3.0, 16: 3.0, 32: 7.0}) == 16  # ahead at 4, behind at 8: not from 4
+    assert tuning.first_win(lut, {4: 2.0, 8: 3.0, 16: 5.0, 32: 9.0}) is None
+    assert tuning.first_win(lut, {4: 0.1, 8: 0.1, 16: 0.1, 32: 0.1}) == 4
+
+
+@pytest.mark.parametrize("crossovers, rows, path", [
+    (tuning.Crossovers(16, 64), 15, "LUT-GEMV"),
+    (tuning.Crossovers(16, 64), 16, "int8 GEMM"),
+    (tuning.Crossovers(None, 64), 16, "dequant GEMM"),  # 16 rows × 4 bits
+    (tuning.Crossovers(None, 128), 16, "LUT-GEMV"),
+    (tuning.Crossovers(None, None), 512, "LUT-GEMV"),
+])
+def test_the_ops_path_follows_the_crossovers(crossovers, rows, path):
+    from npumoe.luts import torch_op
+
+    fast = kernels.kernels()
+    if path == "int8 GEMM" and fast.isa not in ("avx512", "avx2"):
+        pytest.skip(f"the {fast.isa} build has no int8 GEMM")
+    run = kernels.LutKernels(fast.isa, fast.calls, crossovers)
+    rng = np.random.default_rng(5)
+    packed = spec.quantize_pack(rng.standard_normal((64, 256)).astype(np.float32), 4, 64)
+    x = rng.standard_normal((rows, 256)).astype(np.float32)
+    y, taken = torch_op.lut_product(run, layout.to_tiles(packed), x, 1)
+    assert taken == path
+    np.testing.assert_allclose(y, x @ spec.dequantize(packed).T, rtol=0.05, atol=0.05 * np.abs(y).max())

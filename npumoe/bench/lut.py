@@ -38,8 +38,19 @@ def render(result: dict, console: Console) -> None:
                       f"{row['fp32_gemv_ms']:.2f} ms")
     chosen = result["prefetch"]
     swept = ", ".join(f"{int(d) // 1024} KB {ms:.1f} ms" for d, ms in chosen["ms_by_distance"].items())
-    console.print(f"prefetch distance {chosen['prefetch'] // 1024} KB, measured now in {chosen['seconds']:.1f} s and "
-                  f"cached for later processes (one GEMV pass a distance, best of rounds: {swept})")
+    console.print(f"prefetch distance {chosen['prefetch'] // 1024} KB, measured now in {chosen['seconds']:.1f} s with "
+                  f"the crossovers and cached for later processes (one GEMV pass a distance, best of rounds: {swept})")
+    crossing = Table(title="Prompt paths: ms a product at each row count (hot 512×1024); where each path takes over")
+    crossing.add_column("path")
+    rows = list(next(iter(chosen["ms_by_rows"].values()), {}))
+    for r in rows:
+        crossing.add_column(r, justify="right")
+    for path, by_rows in chosen["ms_by_rows"].items():
+        crossing.add_row(path, *(f"{by_rows[r]:.3f}" for r in rows))
+    console.print(crossing)
+    int8, dequant = chosen["crossovers"]["int8"], chosen["crossovers"]["dequant"]
+    console.print(f"int8 GEMM (3-4 bits) from {int8 or 'never'} rows; dequantising GEMM (1-4 bits) from "
+                  f"{dequant or 'never'} rows × bits; the LUT-GEMV below")
     console.print("goals: ≥ 0.92 of BW (int4, int2; issue 34); ≥ 6.5× (int4) and ≥ 10× (int2) fp32 GEMV; "
                   "prefill ≥ 1× fp32")
     console.print(f"load average {result['load_before'][0]:.2f} before, {result['load_after'][0]:.2f} after, "

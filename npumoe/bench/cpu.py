@@ -127,7 +127,7 @@ def prepared(with_llama: bool) -> dict[str, tuple[Path, Path | None]]:
     paths = {}
     for fmt, (bits, llama_format) in PAIRS.items():
         ckpt = source if bits is None else source.with_name(f"{source.name}-int{bits}")
-        if bits is not None and not (ckpt / "config.json").is_file():
+        if bits is not None and not in_current_format(ckpt):
             quantize_checkpoint(source, ckpt, bits=bits, group=64)
         gguf_path = GGUF_DIR / f"model-{llama_format}.gguf" if with_llama else None
         if gguf_path is not None and not gguf_path.is_file():
@@ -135,6 +135,16 @@ def prepared(with_llama: bool) -> dict[str, tuple[Path, Path | None]]:
                 _write_gguf(npumoe.load(source, dtype="bfloat16"), llama_format)
         paths[fmt] = (ckpt, gguf_path)
     return paths
+
+
+def in_current_format(ckpt: Path) -> bool:
+    """Whether a cached quantised copy is in the format this npumoe writes (an older one still loads, but not as a
+    user's fresh `npumoe quantize` output would: version 1 was re-tiled at load)."""
+    from npumoe.core.base.outputs import json_object
+    from npumoe.models.checkpoints import lut
+
+    section = json_object(ckpt / "config.json").get(lut.SECTION)
+    return isinstance(section, dict) and section.get("version") == lut.VERSION
 
 
 def _write_gguf(model, llama_format: str) -> None:

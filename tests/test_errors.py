@@ -380,3 +380,11 @@ def test_a_compute_dtype_the_cpu_has_no_kernels_for_is_refused_with_the_alternat
     err = cli_error(capsys, *command, "--dtype", "float16")
     assert err == ("error: --dtype float16 has no CPU kernels (torch runs it many times slower than float32); use "
                    "--dtype bfloat16 for 2 bytes a weight on the bf16 kernels, or auto.")
+
+
+def test_a_plans_chunk_the_machine_cannot_hold_names_the_plan(tiny, built, tmp_path, capsys):
+    plan = json.loads((built / "plan.json").read_text())
+    (tmp_path / "plan.json").write_text(json.dumps(plan | {"chunk": 10**9}))
+    err = cli_error(capsys, "generate", "--model", str(tiny), "--plan", str(tmp_path / "plan.json"), "--ids", "1")
+    assert err.startswith("error: the plan's chunk of 1000000000 tokens with a") and err.endswith(
+        "GB is free; make a plan with a smaller --chunk (or --max-context)."), err

@@ -103,19 +103,21 @@ def running_bytes(spec: ModelSpec, chunk: int, max_context: int) -> int:
     return 4 * (max_context * kv + chunk * per_token)
 
 
-def check_fits(spec: ModelSpec, chunk: int, max_context: int) -> None:
+def check_fits(spec: ModelSpec, chunk: int, max_context: int, planned: bool = False) -> None:
     """Refuse a chunk or context the machine cannot hold before anything is allocated: a typo such as
-    --chunk 100000000 would otherwise ask the allocator for hundreds of GB and die with its message."""
+    --chunk 100000000 would otherwise ask the allocator for hundreds of GB and die with its message. ``planned``:
+    the chunk is a plan's, so the fix is a new plan, not an option of this command."""
     need, free = running_bytes(spec, chunk, max_context), available_memory()
     if free and need > free:
-        raise InputError(f"--chunk {chunk} with a {max_context}-token context needs about {need / 1e9:.3g} GB for "
-                         f"activations and the KV cache, but {free / 1e9:.3g} GB is free; use a smaller --chunk "
-                         "(or --max-context).")
+        what = f"the plan's chunk of {chunk} tokens" if planned else f"--chunk {chunk}"
+        fix = "make a plan with a smaller --chunk" if planned else "use a smaller --chunk"
+        raise InputError(f"{what} with a {max_context}-token context needs about {need / 1e9:.3g} GB for "
+                         f"activations and the KV cache, but {free / 1e9:.3g} GB is free; {fix} (or --max-context).")
 
 
 def build_program(spec: ModelSpec, chunk: int = 64, max_context: int = 512, plan=None) -> Program:
     """Lay out every graph for prefill chunks of ``chunk`` tokens and single-token decode."""
-    check_fits(spec, chunk, max_context)
+    check_fits(spec, chunk, max_context, planned=plan is not None)
     out: dict[str, Graph] = {}
     seqs = sorted({chunk, 1}, reverse=True)
     steps: list[LayerStep] = []

@@ -53,9 +53,27 @@ def ane_plan(model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fp16(model, ane_plan, tmp_path_factory):
+def converter_temporaries(tmp_path_factory):
+    """Where coremltools puts its temporary packages during the fp16 build (its temporary directory)."""
+    return tmp_path_factory.mktemp("coreml-tmp")
+
+
+@pytest.fixture(scope="module")
+def fp16(model, ane_plan, tmp_path_factory, converter_temporaries):
+    import tempfile
+
     out = tmp_path_factory.mktemp("ane") / "fp16"
-    return out, build(model, ane_plan, "ane", out, progress=False)
+    before, tempfile.tempdir = tempfile.tempdir, str(converter_temporaries)
+    try:
+        return out, build(model, ane_plan, "ane", out, progress=False)
+    finally:
+        tempfile.tempdir = before
+
+
+def test_a_build_leaves_no_converter_packages_behind(fp16, converter_temporaries):
+    """coremltools keeps each converted model's package until the process exits; a build deletes each once its
+    weights are in the multifunction package, so a many-graph build does not hold them all on disk."""
+    assert fp16[1]["graphs"] and not list(converter_temporaries.rglob("*.mlpackage"))
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-import tempfile
+import shutil
 from pathlib import Path
 
 import coremltools as ct
@@ -38,7 +38,17 @@ def convert_graph(module: AneGraphModule, precision: str, arrays=None) -> ct.mod
                   for n, s in module.kv.shapes.items()]
     with contextlib.redirect_stderr(io.StringIO()):  # its per-pipeline progress bars: noise in npumoe's output
         mlmodel = _convert(traced, module, shapes, states)
-        return compress(mlmodel, precision, arrays)
+        compressed = compress(mlmodel, precision, arrays)
+    if compressed is not mlmodel:
+        discard(mlmodel)
+    return compressed
+
+
+def discard(mlmodel: ct.models.MLModel) -> None:
+    """Delete a converted model's temporary package now: coremltools keeps each until the process exits, so a
+    build of many graphs in one process would hold every graph's weights on disk until its end."""
+    if mlmodel.is_temp_package and mlmodel.package_path:
+        shutil.rmtree(mlmodel.package_path, ignore_errors=True)
 
 
 def _convert(traced, module: AneGraphModule, shapes: dict, states) -> ct.models.MLModel:
@@ -57,27 +67,24 @@ def _convert(traced, module: AneGraphModule, shapes: dict, states) -> ct.models.
 
 
 class PackageWriter:
-    """One ``.mlpackage`` holding several functions, written as they come: each converted function is
-    saved to a scratch package at once (and can then be dropped), and the package is assembled on exit.
-    Identical weights in two functions are stored once."""
+    """One ``.mlpackage`` holding several functions, written as they come: each converted function's weights go
+    into the package at once (identical weights in two functions stored once) and its converter's temporary
+    package is deleted, so the disk holds one function's temporaries at a time and each weight is copied once."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.functions: dict[str, Path] = {}  # function name → its scratch package
 
     def __enter__(self) -> PackageWriter:
-        self._scratch = tempfile.TemporaryDirectory(prefix="npumoe-ane-")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._writer = multifunction.MultifunctionWriter(self.path)
         return self
 
     def add(self, name: str, mlmodel: ct.models.MLModel) -> None:
-        single = Path(self._scratch.name) / f"{name}.mlpackage"
-        mlmodel.save(str(single))
-        self.functions[name] = single
+        self._writer.add(name, Path(mlmodel.package_path))
+        discard(mlmodel)
 
     def __exit__(self, kind, value, tb) -> None:
-        try:
-            if kind is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                multifunction.merge(self.functions, self.path)
-        finally:
-            self._scratch.cleanup()
+        if kind is None:
+            self._writer.finish()
+        else:
+            self._writer.abort()

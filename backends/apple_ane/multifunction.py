@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import struct
 import uuid
 from pathlib import Path
@@ -55,34 +56,59 @@ class BlobWriter:
         self.file.close()
 
 
+class MultifunctionWriter:
+    """``dest`` (an ``.mlpackage`` not yet existing) written function by function: each single-function package's
+    blobs are appended as it is added (so the caller may delete it at once), its spec on :meth:`finish`. The first
+    function added is the default."""
+
+    def __init__(self, dest: Path):
+        model_pb2, _ = proto()
+        self.dest = dest
+        self.data_dir = dest / SPEC_PATH.parent
+        (self.data_dir / WEIGHTS_REL).parent.mkdir(parents=True)
+        self.merged = model_pb2.Model()
+        self.blobs = BlobWriter(self.data_dir / WEIGHTS_REL)
+
+    def add(self, name: str, path: Path) -> None:
+        source = Package(path)
+        function = source.function("main")
+        for op in source.operations("main"):
+            for value in blob_values(op):
+                ref = value.blobFileValue
+                ref.offset = self.blobs.copy(source.blob_file(ref.fileName), ref.offset)
+                ref.fileName = WEIGHTS_REF
+        merged = self.merged
+        merged.mlProgram.functions[name].CopyFrom(function)
+        desc = source.spec.description
+        merged.description.functions.add(name=name, input=desc.input, output=desc.output, state=desc.state)
+        merged.specificationVersion = max(merged.specificationVersion, source.spec.specificationVersion,
+                                          IOS18_SPEC_VERSION)
+        merged.mlProgram.version = source.spec.mlProgram.version
+        if not merged.description.defaultFunctionName:
+            merged.description.defaultFunctionName = name
+
+    def finish(self) -> None:
+        self.blobs.close()
+        (self.data_dir / SPEC_PATH.name).write_bytes(self.merged.SerializeToString())
+        _write_manifest(self.dest)
+
+    def abort(self) -> None:
+        """Remove the partial package."""
+        self.blobs.file.close()
+        shutil.rmtree(self.dest, ignore_errors=True)
+
+
 def merge(functions: dict[str, Path], dest: Path) -> None:
-    """Write ``dest`` (an ``.mlpackage`` not yet existing) holding each single-function package of
-    ``functions`` (target name → package) as that function; the first is the default."""
-    model_pb2, _ = proto()
-    data_dir = dest / SPEC_PATH.parent
-    (data_dir / WEIGHTS_REL).parent.mkdir(parents=True)
-    merged = model_pb2.Model()
-    blobs = BlobWriter(data_dir / WEIGHTS_REL)
+    """Write ``dest`` holding each single-function package of ``functions`` (target name → package) as that
+    function; the first is the default."""
+    writer = MultifunctionWriter(dest)
     try:
         for name, path in functions.items():
-            source = Package(path)
-            function = source.function("main")
-            for op in source.operations("main"):
-                for value in blob_values(op):
-                    ref = value.blobFileValue
-                    ref.offset = blobs.copy(source.blob_file(ref.fileName), ref.offset)
-                    ref.fileName = WEIGHTS_REF
-            merged.mlProgram.functions[name].CopyFrom(function)
-            desc = source.spec.description
-            merged.description.functions.add(name=name, input=desc.input, output=desc.output, state=desc.state)
-            merged.specificationVersion = max(merged.specificationVersion, source.spec.specificationVersion,
-                                              IOS18_SPEC_VERSION)
-            merged.mlProgram.version = source.spec.mlProgram.version
-    finally:
-        blobs.close()
-    merged.description.defaultFunctionName = next(iter(functions))
-    (data_dir / SPEC_PATH.name).write_bytes(merged.SerializeToString())
-    _write_manifest(dest)
+            writer.add(name, path)
+    except BaseException:
+        writer.abort()
+        raise
+    writer.finish()
 
 
 def _write_manifest(package: Path) -> None:

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-pytest.importorskip("executorch.exir", reason="npumoe export needs the executorch wheel (pip install executorch==1.5.1)")
+pytest.importorskip("executorch.exir", reason="npumoe export needs the executorch wheel")
 pytest.importorskip("coremltools", reason="npumoe export --target ane needs coremltools (pip install 'npumoe[ane]')")
 
 import npumoe  # noqa: E402
@@ -17,6 +17,7 @@ from npumoe.backends.apple_ane import lint  # noqa: E402
 from npumoe.backends.apple_ane.mil_exec import MilFunction  # noqa: E402
 from npumoe.backends.apple_ane.mlpackage import SPEC_PATH, Package  # noqa: E402
 from npumoe.backends.apple_ane.pte import core_ml_packages  # noqa: E402
+from npumoe.cli import main  # noqa: E402
 from npumoe.core.base.errors import ArtifactError, BackendUnavailableError  # noqa: E402
 from npumoe.core.ir.backend import FP16_CONFORMANCE  # noqa: E402
 from npumoe.core.ir.spec import MoESpec  # noqa: E402
@@ -96,6 +97,16 @@ def test_a_partition_computes_its_layers_expert_products(demo, packages):
     truth = np.stack(truth)
     assert y.shape == truth.shape
     assert np.abs(y.astype(np.float32) - truth).max() <= FP16_CONFORMANCE.max_relative_error * np.abs(truth).max()
+
+
+def test_npumoe_lint_reads_the_program_and_refuses_other_files(exported, tmp_path, capsys):
+    out, _ = exported
+    main(["lint", str(out / "model.pte")])
+    assert "all pass the ANE rules" in capsys.readouterr().out
+    (tmp_path / "junk.pte").write_bytes(b"not a program")
+    with pytest.raises(SystemExit) as exit_:
+        main(["lint", str(tmp_path / "junk.pte")])
+    assert exit_.value.code == 2 and "is not an ExecuTorch program" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="on macOS the Core ML delegate may be there")

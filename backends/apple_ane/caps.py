@@ -91,7 +91,7 @@ PLUGIN = BackendPlugin(
     commands={"lint": "npumoe.backends.apple_ane.lint:lint_command"},
     command_help={"lint": "Check Core ML packages against the ANE rule table."},
     program=ProgramTarget(lower="npumoe.backends.apple_ane.program:lower", expert_dtype="float16",
-                          check="npumoe.backends.apple_ane.pte:check_program",
+                          check="npumoe.backends.apple_ane.lint:check_program",
                           device="ane (Core ML, macOS/iOS only; the rest on ExecuTorch's CPU kernels)",
                           elsewhere="macOS or iOS, whose ExecuTorch runtime has the Core ML delegate"),
     options=(

@@ -184,6 +184,15 @@ def check(path: str | Path, platform: str = rules.DEFAULT_PLATFORM) -> list[Func
     return reports
 
 
+def check_program(program: bytes) -> None:
+    """Every Core ML model an exported program delegates to passes the lint (``npumoe export --target ane``'s check)."""
+    from npumoe.backends.apple_ane.pte import core_ml_packages
+
+    with tempfile.TemporaryDirectory() as scratch:
+        for package in core_ml_packages(program, Path(scratch)):
+            check(package)
+
+
 def expand(paths, scratch: Path) -> list[Path]:
     """Packages named directly, every package under a directory (an ``npumoe build`` output), or the Core ML models
     of an ExecuTorch program (``npumoe export --target ane``'s ``model.pte``), unpacked under ``scratch``."""

@@ -121,12 +121,3 @@ def core_ml_packages(program: bytes, out_dir: Path) -> list[Path]:
             (found,) = Path(unpacked).rglob("*.mlpackage")
             packages.append(found.rename(out_dir / f"partition_{n}.mlpackage"))
     return packages
-
-
-def check_program(program: bytes) -> None:
-    """Every Core ML partition of an exported program passes the ANE lint (:func:`.lint.check`)."""
-    from npumoe.backends.apple_ane import lint
-
-    with tempfile.TemporaryDirectory() as scratch:
-        for package in core_ml_packages(program, Path(scratch)):
-            lint.check(package)

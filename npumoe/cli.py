@@ -116,6 +116,7 @@ BENCHMARKS = {
     "prefetch": ("npumoe.bench.prefetch:bench_prefetch_command", "Decode routing predictor: recall and time saved."),
     "mlx": ("npumoe.bench.mlx:bench_mlx_command", "npumoe's mlx target against mlx-lm."),
     "dtype": ("npumoe.bench.dtype:bench_dtype_command", "The default compute dtype's logits against fp32."),
+    "export": ("npumoe.bench.export:bench_export_command", "npumoe-run against the Python engine on one program."),
 }
 
 

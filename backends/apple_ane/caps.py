@@ -12,6 +12,7 @@ from npumoe.core.ir.backend import (
     BuildOption,
     Capabilities,
     Device,
+    ProgramTarget,
     Published,
 )
 
@@ -89,6 +90,10 @@ PLUGIN = BackendPlugin(
     shares_weights=True,  # a package's functions (a layer's prefill and decode graphs) store their weights once
     commands={"lint": "npumoe.backends.apple_ane.lint:lint_command"},
     command_help={"lint": "Check Core ML packages against the ANE rule table."},
+    program=ProgramTarget(lower="npumoe.backends.apple_ane.program:lower", expert_dtype="float16",
+                          check="npumoe.backends.apple_ane.lint:check_program",
+                          device="ane (Core ML, macOS/iOS only; the rest on ExecuTorch's CPU kernels)",
+                          elsewhere="macOS or iOS, whose ExecuTorch runtime has the Core ML delegate"),
     options=(
         BuildOption("via", "toolchain: coreml (default; .mlpackage) | executorch (.pte)"),
         BuildOption("precision", "fp16 (default) | int4 (blockwise; the HTP's and CPU's luts codes) | palettize4 | "

@@ -8,6 +8,7 @@ build --target ane`` runs the same check on every package it writes.
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,11 +184,36 @@ def check(path: str | Path, platform: str = rules.DEFAULT_PLATFORM) -> list[Func
     return reports
 
 
-def expand(paths) -> list[Path]:
-    """Packages named directly, or every package under a directory (an ``npumoe build`` output)."""
+def check_program(program: bytes) -> None:
+    """Every Core ML model an exported program delegates to passes the lint (``npumoe export --target ane``'s check)."""
+    from npumoe.backends.apple_ane.pte import core_ml_packages
+
+    with tempfile.TemporaryDirectory() as scratch:
+        for package in core_ml_packages(program, Path(scratch)):
+            check(package)
+
+
+def expand(paths, scratch: Path) -> list[Path]:
+    """Packages named directly, every package under a directory (an ``npumoe build`` output), or the Core ML models
+    of an ExecuTorch program (``npumoe export --target ane``'s ``model.pte``), unpacked under ``scratch``."""
     out = []
-    for p in map(Path, paths):
-        if p.is_dir() and p.suffix != ".mlpackage":
+    for n, p in enumerate(map(Path, paths)):
+        if p.suffix == ".pte":
+            from npumoe.backends.apple_ane.pte import core_ml_packages
+
+            (scratch / str(n)).mkdir()
+            try:
+                found = core_ml_packages(p.read_bytes(), scratch / str(n))
+            except ArtifactError:
+                raise
+            except Exception as err:  # ExecuTorch's deserializer raises its own kinds
+                raise ArtifactError(f"{p} is not an ExecuTorch program ({err}); give a model.pte npumoe export "
+                                    "wrote.") from err
+            if not found:
+                raise ArtifactError(f"{p} delegates nothing to Core ML; give a program npumoe export --target ane "
+                                    "wrote.")
+            out += found
+        elif p.is_dir() and p.suffix != ".mlpackage":
             found = sorted(p.rglob("*.mlpackage"))
             if not found:
                 raise ArtifactError(f"{p} holds no .mlpackage; give packages or an npumoe build --target ane output.")
@@ -218,12 +244,16 @@ def placement_table(reports: list[FunctionReport]):
 def lint_command(packages, platform):
     """Check Core ML packages against the ANE rule table; exit 2 on any violation.
 
-    Example: npumoe lint build/ane   (every package of an npumoe build --target ane output)
+    \b
+    Examples:
+      npumoe lint build/ane            (every package of an npumoe build --target ane output)
+      npumoe lint demo-ane/model.pte   (the Core ML models of an npumoe export --target ane program)
     """
     from rich.console import Console
 
-    paths = expand(packages)
-    reports = [r for p in paths for r in lint_package(p, platform)]
+    with tempfile.TemporaryDirectory() as scratch:
+        paths = expand(packages, Path(scratch))
+        reports = [r for p in paths for r in lint_package(p, platform)]
     console = Console()
     console.print(placement_table(reports))
     found = violations(reports)

@@ -14,7 +14,9 @@ passes run as in the ``coreml`` path.
 
 from __future__ import annotations
 
+import json
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +24,9 @@ import torch
 
 from npumoe.backends.apple_ane.compress import INT4_BLOCK
 from npumoe.backends.apple_ane.layout import AneGraphModule
-from npumoe.core.base.errors import BackendUnavailableError
+from npumoe.core.base.errors import ArtifactError, BackendUnavailableError
 
+REFERENCE_MARK = b"CMJR"  # ExecuTorch's Core ML backend: this delegate's model is in the program's named data
 SKIPPED_PASSES = ("common::canonicalize_inplace_pattern", "common::prefer_state_in_downstream")
 
 
@@ -85,3 +88,36 @@ class PteRuntime:
             self._methods[function] = self.program.load_method(function)
         inputs = [torch.from_numpy(v.astype(np.float32) if v.dtype == np.float16 else v) for v in feed.values()]
         return tuple(o.numpy() for o in self._methods[function].execute(inputs))
+
+
+def core_ml_packages(program: bytes, out_dir: Path) -> list[Path]:
+    """The Core ML models an ExecuTorch program delegates to, unpacked as ``out_dir/partition_N.mlpackage``, in the
+    order of their first use. ExecuTorch's Core ML backend stores a partition as a flattened directory (the
+    ``.mlpackage`` and its metadata); where several methods share a partition (a multifunction model, one function a
+    method: its weights stored once), the delegate's data is a ``CMJR``-marked reference into the program's named
+    data, unpacked once."""
+    from executorch.backends.apple.coreml import executorchcoreml
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    pte = deserialize_pte_binary(program)
+    named = pte.named_data
+    stored = {key: named.buffers[entry.buffer_index] for key, entry in named.pte_data.items()} if named else {}
+    payloads = {}  # key (or position) → bytes, first use first
+    for plan in pte.program.execution_plan:
+        for delegate in plan.delegates:
+            if delegate.id != "CoreMLBackend":
+                continue
+            data = pte.program.backend_delegate_data[delegate.processed.index].data
+            if data.startswith(REFERENCE_MARK):
+                key = json.loads(data[len(REFERENCE_MARK):])["key"]
+                payloads.setdefault(key, stored[key])
+            else:
+                payloads[len(payloads)] = data
+    packages = []
+    for n, payload in enumerate(payloads.values()):
+        with tempfile.TemporaryDirectory(dir=out_dir) as unpacked:
+            if not executorchcoreml.unflatten_directory_contents(bytes(payload), unpacked):
+                raise ArtifactError(f"Core ML partition {n} of the program does not unpack; export it again.")
+            (found,) = Path(unpacked).rglob("*.mlpackage")
+            packages.append(found.rename(out_dir / f"partition_{n}.mlpackage"))
+    return packages

@@ -218,6 +218,10 @@ class ProgramTarget:
     device: str = "cpu"  # what runs the program's delegated parts, as the export manifest says
     runner_setup: str | None = None  # "module:function" → the RunnerSetup of this machine (None: nothing to do)
     op_impls: str | None = None  # "module:NAME" → {IR op: implementation} replacing the interpreter's in the program
+    expert_dtype: str = "float32"  # the expert products' weights and rows (float16: a device that computes fp16 only
+    # is handed fp16 tensors, the casts left on the CPU)
+    elsewhere: str | None = None  # where the delegate exists when this machine's ExecuTorch lacks it (the runner says)
+    check: str | None = None  # "module:function" (the program's bytes) → None, or raises naming what the device rejects
 
 
 class DeviceTrace(Protocol):

@@ -89,7 +89,8 @@ def export(model, target: str, out: str | Path, plan=None, chunk: int | None = N
             chunk = plan.chunk
         setup = plugin_object(plugin(target), record.runner_setup)() if record.runner_setup else RunnerSetup()
         libraries = tuple(dict.fromkeys((*record.libraries, *decoder.libraries)))
-        runner = native_runner.runner(target, libraries, setup)  # first: a missing compiler is found in seconds
+        # first: a missing compiler is found in seconds
+        runner = native_runner.runner(target, libraries, setup, record.elsewhere or "")
         program = build_program(model.spec, chunk=chunk or DEFAULT_CHUNK, max_context=context_length(model.spec,
                                                                                                       max_context),
                                 plan=plan)
@@ -107,7 +108,10 @@ def export(model, target: str, out: str | Path, plan=None, chunk: int | None = N
         impls = plugin_object(plugin(target), record.op_impls) if record.op_impls else OP_IMPLS
         lowerings = {"prefill": plugin_object(plugin(target), record.lower),
                      "decode": plugin_object(plugin(CPU if decode_on == "cpu" else target), decoder.lower)}
-        data = lower(WholeModel(program, model.weights, impls).eval(), lowerings, constants)
+        module = WholeModel(program, model.weights, impls, expert_dtype=getattr(torch, record.expert_dtype))
+        data = lower(module.eval(), lowerings, constants)
+        if record.check:
+            plugin_object(plugin(target), record.check)(data)
         manifest["export_seconds"] = round(time.perf_counter() - start, 1)
         with staged_directory(out) as staging:
             (staging / PROGRAM).write_bytes(data)

@@ -68,16 +68,17 @@ def _quoted(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def runner(target: str, libraries: tuple[str, ...], setup: RunnerSetup = RunnerSetup()) -> Path:
+def runner(target: str, libraries: tuple[str, ...], setup: RunnerSetup = RunnerSetup(), elsewhere: str = "") -> Path:
     """The runner for programs exported for ``target``, linking its backend ``libraries`` and doing ``setup`` before it
-    loads a program; compiled now if this machine has no verified build of this source, npumoe, executorch, compiler
-    and setup."""
+    loads a program (a delegate it lacks: one line naming ``elsewhere``, where the program runs); compiled now if this
+    machine has no verified build of this source, npumoe, executorch, compiler and setup."""
     root, cxx = executorch_root(), compiler()
     flags = ["-std=c++17", "-O2", "-Wno-deprecated-declarations", f"-I{root / 'include'}",
              f"-I{root / 'include/executorch/runtime/core/portable_type/c10'}", "-DC10_USING_CUSTOM_GENERATED_MACROS",
              f'-DNPUMOE_VERSION="{npumoe_version()}"', f'-DNPUMOE_TARGET="{target}"',
              f"-DNPUMOE_SETENV={_quoted(chr(10).join(f'{k}={v}' for k, v in setup.env.items()))}",
-             f"-DNPUMOE_PRELOAD={_quoted(chr(10).join(setup.preload))}"]
+             f"-DNPUMOE_PRELOAD={_quoted(chr(10).join(setup.preload))}",
+             f"-DNPUMOE_ELSEWHERE={_quoted(elsewhere)}"]
     links = [f"-L{root / 'lib'}", "-Wl,--no-as-needed", *(f"-l{lib}" for lib in (*RUNTIME_LIBRARIES, *libraries)),
              "-Wl,--as-needed", "-ldl", f"-Wl,-rpath,{root / 'lib'}"]
     key = hashlib.sha256("\0".join([_compiler_version(cxx), _executorch_version(), *flags, *links]).encode()

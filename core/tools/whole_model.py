@@ -80,9 +80,11 @@ class StaticMoE(torch.nn.Module):
     with slots for the most pairs that can spill (every pair for CPU-resident experts and unplanned layers). A decode
     token's pairs always take that path: it reads only its experts' matrices."""
 
-    def __init__(self, spec: ModelSpec, layer: int, weights, groups: list[ExpertGroup], chunk: int):
+    def __init__(self, spec: ModelSpec, layer: int, weights, groups: list[ExpertGroup], chunk: int,
+                 dtype: torch.dtype = torch.float32):
         super().__init__()
         moe = spec.layers[layer].ffn
+        self.dtype = dtype  # the expert products': their matrices stored so, their rows cast to it before them
         self.router, self.top_k, self.num_experts = moe.router, moe.top_k, moe.num_experts
         prefix = f"layers.{layer}.moe.router"
         self.register_buffer("router_weight", _fp32(weights[f"{prefix}.weight"]))
@@ -94,7 +96,7 @@ class StaticMoE(torch.nn.Module):
         for name in self.graph.weight_names():
             part = name[len(expert(layer, 0)) + 1:]
             buffer = "experts_" + part.replace(".", "_")
-            self.register_buffer(buffer, torch.stack([_fp32(weights[f"{expert(layer, e)}.{part}"])
+            self.register_buffer(buffer, torch.stack([_fp32(weights[f"{expert(layer, e)}.{part}"]).to(dtype)
                                                       for e in range(moe.num_experts)]))
             self.stacked[name] = buffer
         self.register_buffer("pair_token", torch.arange(chunk).repeat_interleave(moe.top_k))
@@ -134,9 +136,12 @@ class StaticMoE(torch.nn.Module):
 
     def _experts(self, x: torch.Tensor, matrices: dict[str, torch.Tensor]) -> torch.Tensor:
         """x[E', R, H] through expert e's matrices for each leading index e (matrices stacked to match); its nodes are
-        marked as the expert products (a target's lowering may hand its device exactly these)."""
+        marked as the expert products (a target's lowering may hand its device exactly these), the casts to and from
+        their dtype left outside."""
+        x = x.to(self.dtype)
         with annotate(EXPERT_REGION):
-            return evaluate(self.graph, {"x": x}, matrices.__getitem__, EXPERT_OPS)["y"]
+            y = evaluate(self.graph, {"x": x}, matrices.__getitem__, EXPERT_OPS)["y"]
+        return y.to(torch.float32)
 
     def _pairs(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Row i of x[n, H] through expert ``experts[i]``: its matrices gathered for it."""
@@ -213,9 +218,11 @@ class StaticMoE(torch.nn.Module):
 
 class WholeModel(torch.nn.Module):
     """Embedding, every layer, the final norm and the LM head over a KV cache of ``program.max_context`` slots; the
-    IR's ops run as ``impls`` implements them (default: the reference interpreter's)."""
+    IR's ops run as ``impls`` implements them (default: the reference interpreter's), the expert products in
+    ``expert_dtype``."""
 
-    def __init__(self, program: Program, weights, impls: Mapping[str, Callable] = OP_IMPLS):
+    def __init__(self, program: Program, weights, impls: Mapping[str, Callable] = OP_IMPLS,
+                 expert_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.impls = impls
         spec = self.spec = program.spec
@@ -237,7 +244,8 @@ class WholeModel(torch.nn.Module):
             self.register_buffer(f"k_cache_{i}", torch.zeros(graph.inputs["k_cache"].shape))
             self.register_buffer(f"v_cache_{i}", torch.zeros(graph.inputs["v_cache"].shape))
             if step.moe is not None:
-                self.moe[str(i)] = StaticMoE(spec, i, weights, step.moe.groups[program.chunk], program.chunk)
+                self.moe[str(i)] = StaticMoE(spec, i, weights, step.moe.groups[program.chunk], program.chunk,
+                                              expert_dtype)
 
     def weight(self, name: str) -> torch.Tensor:
         return getattr(self, _buffer_name(self.alias.get(name, name)))

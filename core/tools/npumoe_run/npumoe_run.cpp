@@ -11,6 +11,7 @@
 
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
+#include <executorch/runtime/backend/interface.h>
 #include <executorch/runtime/platform/platform.h>
 #include <dlfcn.h>
 #include <unistd.h>
@@ -40,6 +41,10 @@
 #endif
 #ifndef NPUMOE_PRELOAD
 #define NPUMOE_PRELOAD ""
+#endif
+// Where the target's delegate exists when this runner's ExecuTorch lacks it (e.g. Core ML's: macOS or iOS).
+#ifndef NPUMOE_ELSEWHERE
+#define NPUMOE_ELSEWHERE ""
 #endif
 
 namespace {
@@ -228,6 +233,7 @@ class Program {
     chunk = integer("npumoe_chunk");
     for (const EValue& id : constant("get_eos_ids")) eos.push_back(id.toInt());
     for (const char* method : {"prefill", "decode"}) {
+      check_delegates(path, method);
       if ((error = module_.load_method(method)) != Error::Ok) runtime_failed(std::string("loading ") + method, error);
     }
   }
@@ -267,6 +273,20 @@ class Program {
     const auto& tensor = out->at(0).toTensor();
     const float* data = tensor.const_data_ptr<float>();
     return std::vector<float>(data, data + tensor.numel());  // (copied: the next call reuses the shared arena)
+  }
+
+  // Every delegate the method uses is registered here; else one line saying where the program runs.
+  void check_delegates(const std::string& path, const char* method) {
+    auto meta = module_.method_meta(method);
+    if (!meta.ok()) runtime_failed(std::string("reading ") + method, meta.error());
+    for (size_t i = 0; i < meta->num_backends(); ++i) {
+      auto name = meta->get_backend_name(i);
+      if (!name.ok() || executorch::runtime::get_backend_class(*name)) continue;
+      const std::string where(NPUMOE_ELSEWHERE);
+      fail(kBadInput, path + "'s " + method + " runs on ExecuTorch's " + *name + " delegate, which this runtime lacks; " +
+                          (where.empty() ? "export the program again on this machine"
+                                         : "it runs only on " + where + " (build npumoe-run there)"));
+    }
   }
 
   std::vector<EValue> constant(const char* method) {

@@ -220,3 +220,24 @@ def test_artifacts_of_another_target_are_refused(small, lm_head_package):
     backend, out, graphs, entries = lm_head_package
     with pytest.raises(ArtifactError, match="was not built for the ANE"):
         backend.load(Lowered("onnx", ("x.onnx",)), out, graphs[0], model.weights)
+
+
+def test_an_expert_groups_prefill_and_decode_graphs_share_one_package(small, monkeypatch):
+    """Decode graphs cut from a group (one expert each here) read its weights: packed into another package than the
+    group's prefill graph, each of those weights would be stored twice. Packages split by size still keep them."""
+    from npumoe.backends.apple_ane.packaging import plan_packages
+    from npumoe.core.compiler.graphs import experts_graph
+
+    model = small[0]
+    groups = {"g0": (0, 1), "g1": (2, 3)}
+    prefill = [experts_graph(model.spec, 0, e, (16,) * len(e), f"L0.experts.{g}.p0") for g, e in groups.items()]
+    decode = [experts_graph(model.spec, 0, (e,), (1,), f"L0.experts.{g}.d{k}")
+              for g, experts in groups.items() for k, e in enumerate(experts)]
+    graphs = prefill + decode  # the order a layer's graphs come in: every prefill graph, then every decode graph
+    group_bytes = 2 * sum(2 * n for n in [model.spec.hidden_size * 64] * 3)  # two experts' three fp16 matrices
+    monkeypatch.setitem(rules.MAX_PACKAGE_BYTES, "ios", group_bytes)  # one group a package
+    packages = plan_packages(graphs, model.weights, "fp16", "ios")
+    assert len(packages) == 2
+    for package, (group, experts) in zip(packages, groups.items()):
+        assert sorted(g.name for g in package.graphs) == sorted(
+            [f"L0.experts.{group}.p0", *(f"L0.experts.{group}.d{k}" for k in range(len(experts)))])

@@ -1,8 +1,8 @@
 """Which graphs share a Core ML package: weights stored once, no package over the size limit.
 
-Graphs that read the same weights (a layer's attention at prefill and decode length, an
-expert group at its prefill and decode capacity) are one *unit*: they must share a package
-or their weights are stored twice. Units of one kind are then packed in order:
+Graphs that read any weight in common (a layer's attention at prefill and decode length, an
+expert group's prefill graph and the decode graphs cut from its experts) are one *unit*: they
+must share a package or those weights are stored twice. Units of one kind are then packed in order:
 
 * attention: all layers' units, split into contiguous shards; each shard's K and V caches
   are its two states (:class:`~npumoe.backends.apple_ane.kvstate.KVState`);
@@ -45,11 +45,17 @@ def _kind_key(g: Graph) -> str:
     return "attention" if g.kind == "attention" else "lm_head" if g.layer is None else f"L{g.layer}_{g.kind}"
 
 
-def _units(graphs: list[Graph]) -> list[list[Graph]]:
-    units: dict[frozenset[str], list[Graph]] = {}
+def _units(graphs: list[Graph]) -> list[tuple[set[str], list[Graph]]]:
+    """(weight names, graphs) of each set of graphs joined by shared weights, in the order of their first graph."""
+    units: list[tuple[set[str], list[Graph]]] = []
     for g in graphs:
-        units.setdefault(frozenset(g.weight_names()), []).append(g)
-    return list(units.values())
+        names = set(g.weight_names())
+        joined = [u for u in units if u[0] & names]
+        units = [u for u in units if all(u is not j for j in joined)]
+        units.append((names.union(*(u[0] for u in joined)), [x for u in joined for x in u[1]] + [g]))
+    order = {id(g): i for i, g in enumerate(graphs)}
+    return sorted(((names, sorted(unit, key=lambda g: order[id(g)])) for names, unit in units),
+                  key=lambda u: order[id(u[1][0])])
 
 
 def plan_packages(graphs: list[Graph], weights: Mapping, precision: str, platform: str) -> list[PackagePlan]:
@@ -61,8 +67,8 @@ def plan_packages(graphs: list[Graph], weights: Mapping, precision: str, platfor
     for key, members in by_kind.items():
         shards: list[tuple[list[Graph], int]] = []
         bits = scheme(precision_for(members[0].kind, precision)).bits
-        for unit in _units(members):
-            size = math.ceil(sum(math.prod(weight_shape(weights, n)) for n in unit[0].weight_names()) * bits / 8)
+        for names, unit in _units(members):
+            size = math.ceil(sum(math.prod(weight_shape(weights, n)) for n in names) * bits / 8)
             if size > limit:
                 raise InputError(
                     f"graph {unit[0].name} needs {size / 1e9:.2f} GB of weights but an ANE package may hold "

@@ -105,9 +105,11 @@ class MlxBackend(BackendBase):
                     mx.eval(value.arrays(name) if isinstance(value, QuantizedMatrix) else value)  # read now, not by
                     self._loaded[key] = value  # the first run (on whichever thread that is)
                 bound[name] = self._loaded[key]
-            run = (gathered_experts(graph, bound) if artifact.info.get("experts", "").startswith("gather")
-                   else graph_function(graph, bound, graph.stateless_inputs()))
-        return MlxExecutor(graph, run, device, ACTIVATIONS[artifact.info.get("activations", "float32")], bound)
+            gather = artifact.info.get("experts", "").startswith("gather")
+            run = gathered_experts(graph, bound) if gather else graph_function(graph, bound, graph.stateless_inputs())
+        executor = MlxExecutor(graph, run, device, ACTIVATIONS[artifact.info.get("activations", "float32")], bound)
+        executor.gathered = gather
+        return executor
 
     def describe(self) -> dict:
         return {"name": self.name, "mlx": mx.__version__, "device": self.device, "precision": self.precision,
@@ -126,6 +128,7 @@ class MlxExecutor:
 
     keeps_state = False
     decode_step = staticmethod(decode_step)
+    gathered = False  # an expert group run as gathered products (its ``run`` may be rebound to a step's stacks)
 
     def __init__(self, graph: Graph, run: Callable[..., list[mx.array]], device: str, dtype: mx.Dtype = mx.float32,
                  weights: Mapping[str, mx.array | QuantizedMatrix] | None = None):

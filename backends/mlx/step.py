@@ -17,6 +17,7 @@ without expert groups; elsewhere the engine keeps its layer-by-layer path.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import mlx.core as mx
 import numpy as np
@@ -81,10 +82,11 @@ def decode_step(request: StepRequest) -> MlxDecodeStep | None:
             else:
                 groups = [executors[s.graph] for g in step.moe.groups[1] for s in g.shapes]
                 shared = _graph(executors[step.moe.shared[1]]) if step.moe.shared else None
-                ffn = _moe(spec, i, groups, request.routers[i], shared)
+                ffn = _moe(spec, i, groups, request.routers[i], shared, request.others.values())
                 if ffn is None:
                     return None
             layers.append((attention, ffn))
+        mx.clear_cache()  # (the prompt's group stacks, now the step's)
         return MlxDecodeStep(layers, _graph(executors[program.lm_head[1]]), request.rope, device)
 
 
@@ -155,10 +157,16 @@ class _Attention:
         return mx.where(mx.arange(start + 1) > start - self.window, 0.0, float("-inf"))[None].astype(self.dtype)
 
 
-def _moe(spec: ModelSpec, layer: int, executors: list, router: tuple, shared):
+def _rows_of(experts, rows: mx.array, in_order: bool, x: mx.array) -> list[mx.array]:
+    """A gathered group's graph function (x → [y]) over a layer's stacked ``experts``, its rows' experts ``rows``."""
+    return [experts(x, rows, in_order)]
+
+
+def _moe(spec: ModelSpec, layer: int, executors: list, router: tuple, shared, others):
     """MoE layer ``layer``'s decode as z → (y, the experts it routed to): MLX routing, the layer's experts (on
     ``executors``) gathered as one function, plus the ``shared`` expert's output; None where that does not
-    apply."""
+    apply. The layer's gathered groups (the prompt's, among ``others``, and the decode's) then run on the same
+    stacks, so that the experts are held stacked once."""
     moe: MoESpec = spec.layers[layer].ffn
     scoring, n_group = moe.router.scoring, moe.router.n_group
     if scoring not in ("softmax", "softmax_topk", "sigmoid") or n_group > 1 or moe.num_experts < 2:
@@ -173,6 +181,11 @@ def _moe(spec: ModelSpec, layer: int, executors: list, router: tuple, shared):
             or (executors[0].device == "cpu" and dtype != mx.float32) or {e.dtype for e in executors} != {dtype}:
         return None
     experts = switch_function(expert_segments(graph), weights)
+    for group in (*others, *executors):
+        if getattr(group, "gathered", False) and group.graph.layer == layer and group.dtype == dtype \
+                and group.device == executors[0].device:
+            rows = np.repeat(group.graph.meta["experts"], group.graph.meta["capacities"]).astype(np.uint32)
+            group.run = functools.partial(_rows_of, experts, mx.array(rows), bool(np.all(np.diff(rows) >= 0)))
     rule, weight, bias, correction = router
     weight, bias, correction = (None if t is None else dense(t.float()) for t in (weight, bias, correction))
     k = rule.top_k

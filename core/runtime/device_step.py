@@ -24,13 +24,15 @@ from npumoe.core.ir.backend import Executor
 @dataclass(frozen=True)
 class StepRequest:
     """What a backend needs to run a decode step by itself: the program and the decode graphs' executors, each rope
-    table (cos, sin over every position, per layer), and each MoE layer's router (``routers[layer]``: its
-    RouterSpec, weight, bias, correction bias; None for the last two where it has none)."""
+    table (cos, sin over every position, per layer), each MoE layer's router (``routers[layer]``: its RouterSpec,
+    weight, bias, correction bias; None for the last two where it has none), and the other graphs' executors, with
+    which the step may share its weights."""
 
     program: Program
     executors: Mapping[str, Executor]
     rope: list[tuple[torch.Tensor, torch.Tensor]]
     routers: dict[int, tuple]
+    others: Mapping[str, Executor]
 
 
 class DeviceStep(Protocol):

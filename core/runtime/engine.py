@@ -545,7 +545,8 @@ class Engine:
             decode = {i: layer for (i, s), layer in self.moe_layers.items() if s == 1}
             routers = {i: (layer.moe.router, layer.router_weight, layer.router_bias, layer.correction)
                        for i, layer in decode.items()}
-            self._device_call = build(StepRequest(self.program, executors, rope, routers))
+            others = {name: self.executors[name] for name in self.program.graphs if name not in executors}
+            self._device_call = build(StepRequest(self.program, executors, rope, routers, others))
             expert_graphs = [{e: shape.graph for g in layer.static for shape in g.shapes
                               for e, c in zip(g.experts, shape.capacities) if c} for layer in decode.values()]
             self._device_graphs = [n for n in names if self.program.graphs[n].kind != "experts"], expert_graphs

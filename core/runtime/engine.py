@@ -476,9 +476,10 @@ class Engine:
         return out["h"], out["z"]
 
     def _fused_step(self, token: int, start: int) -> torch.Tensor | None:
-        """A decode token's logits [1, vocab] from one kernel call (:meth:`_decode_step`), with the metrics the
-        layer-by-layer path keeps; None where the call does not apply, or where its logits are not finite (the
-        layer-by-layer path then runs the step again, writing the same cache slots, and names the graph)."""
+        """A decode token's logits [1, vocab] from one call, the backend's (:meth:`_device_step`) or the CPU
+        kernels' (:meth:`_decode_step`), with the metrics the layer-by-layer path keeps; None where the call does
+        not apply, or where its logits are not finite (the layer-by-layer path then runs the step again, writing
+        the same cache slots, and names the graph)."""
         if (device := self._device_step()) is not None:
             return self._on_device(device, token, start)
         step = self._decode_step()

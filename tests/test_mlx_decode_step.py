@@ -66,14 +66,19 @@ def test_a_long_decode_gives_the_reference_engines_tokens_and_cache(engines, mon
 
 
 def test_the_device_cache_is_written_in_place_not_rebuilt_each_token(engines):
-    """Between growths a layer's device buffer stays one array, its filled slots advancing a token at a time."""
-    mlx_engine, _ = engines
-    mlx_engine.forward(np.arange(3, 3 + PROMPT))
-    token = 5
-    token = int(mlx_engine.decode(token).argmax())
+    """Once a sequence's cache is on the device, decode reads nothing of the host's (poisoned here with NaN, it
+    still gives the reference's tokens) and a layer's device buffer stays one array between growths, its filled
+    slots advancing a token at a time."""
+    mlx_engine, reference = engines
+    prompt = np.arange(3, 3 + PROMPT)
+    want, _ = greedy(reference, prompt, 8)
+    mlx_engine.forward(prompt)
+    tokens = [want[0], int(mlx_engine.decode(want[0]).argmax())]
+    for t in (*mlx_engine.cache.k, *mlx_engine.cache.v):
+        t.fill_(float("nan"))
     slots = mlx_engine._device_step().layers[0][0].k
     buffer = slots.buffer
-    for n in range(1, 6):
-        token = int(mlx_engine.decode(token).argmax())
-        assert slots.buffer is buffer and slots.length == PROMPT + 1 + n
-    assert buffer.shape[1] == mlx_step.GROWTH
+    while len(tokens) < len(want):
+        tokens.append(int(mlx_engine.decode(tokens[-1]).argmax()))
+        assert slots.buffer is buffer and slots.length == PROMPT + len(tokens) - 1
+    assert tokens == want and buffer.shape[1] == mlx_step.GROWTH

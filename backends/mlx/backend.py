@@ -7,7 +7,8 @@ they do for every backend. On disk a layer's prefill and decode graphs each hold
 of one artifact directory share one copy of each. An expert group runs as mlx-lm's SwitchGLU runs experts, one
 gathered product a projection (:mod:`.switch`); its manifest entry says which way (``experts``). Shapes are the
 plan's: MLX has no static-shape rule, but a graph runs at the shapes
-it declares, so the engine treats it like any NPU graph (the KV cache passed in, every slot). Without MLX the
+it declares, so the engine treats it like any NPU graph (the KV cache passed in, every slot); a decode token whose
+graphs are all on mlx runs instead as one MLX graph over a cache kept on the device (:mod:`.step`). Without MLX the
 registry says to ``pip install 'npumoe[mlx]'`` (on Linux the extra brings ``mlx[cpu]``: ``mlx`` alone has no
 backend there).
 """

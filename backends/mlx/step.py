@@ -51,9 +51,9 @@ class Slots:
             self.buffer[:, :length] = mx.array(host[:, :length].numpy()).astype(self.dtype)
         self.length = length
 
-    def append(self, new: mx.array, *, axis: int) -> mx.array:
+    def append(self, new: mx.array) -> mx.array:
         """``new`` [heads, n, dim] written after the filled slots; every filled slot (a view)."""
-        end = self.length + new.shape[axis]
+        end = self.length + new.shape[1]
         if end > self.buffer.shape[1]:
             more = min(GROWTH, self.capacity - self.buffer.shape[1])
             self.buffer = mx.concatenate([self.buffer, mx.zeros((new.shape[0], more, new.shape[2]), self.dtype)], 1)
@@ -140,7 +140,7 @@ class _Attention:
         ops = [Op("kv_write", op.inputs, op.outputs, op.attrs)
                if op.op == "concat" and op.inputs[0] in ("k_cache", "v_cache") else op for op in graph.ops]
         self.run = graph_function(dataclasses.replace(graph, ops=ops), executor.weights, list(ATTENTION_INPUTS),
-                                  OP_IMPLS | {"kv_write": lambda slots, new, *, axis: slots.append(new, axis=axis)})
+                                  OP_IMPLS | {"kv_write": lambda slots, new, *, axis: slots.append(new)})  # (axis: slots)
         self.dtype, self.window = executor.dtype, window
         self.k, self.v = Slots(capacity, executor.dtype), Slots(capacity, executor.dtype)
 

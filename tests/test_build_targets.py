@@ -195,6 +195,40 @@ def test_compare_estimates_ane_prefill_with_gpu_decode_per_mac(built, capsys):
     assert "disaggregated generation per chip" in out and "assumed: hand-off" in out
 
 
+@pytest.mark.skipif(not MLX, reason="the mlx target needs MLX (pip install 'npumoe[mlx]')")
+def test_compare_html_shows_the_disaggregated_rows_the_json_holds(built, tmp_path, capsys):
+    from html.parser import HTMLParser
+
+    main(["compare", str(built), "--json"])
+    split = json.loads(capsys.readouterr().out)["disaggregated"]
+    page = tmp_path / "report.html"
+    main(["compare", str(built), "--html", str(page)])
+
+    class Rows(HTMLParser):  # every table row's cells, as text
+        def __init__(self):
+            super().__init__()
+            self.rows: list[list[str]] = []
+
+        def handle_starttag(self, tag, attrs):
+            if tag == "tr":
+                self.rows.append([])
+            elif tag in ("td", "th"):
+                self.rows[-1].append("")
+
+        def handle_data(self, data):
+            if self.rows and self.rows[-1]:
+                self.rows[-1][-1] += data
+
+    parser = Rows()
+    parser.feed(page.read_text())
+    for r in split:
+        for q in r["requests"]:
+            want = [r["chip"], f"{r['prefill']['target']} → {r['decode']['target']}", f"{q['prompt']} + {q['new']}",
+                    f"{q['seconds']:.3g}"]
+            assert any(row[:4] == want for row in parser.rows), want
+    assert "assumed: hand-off" in page.read_text()
+
+
 def test_compare_says_what_each_device_can_hold_of_each_build(built, capsys):
     from npumoe.core.planning.costmodel import devices
 

@@ -121,6 +121,18 @@ def test_bad_options_are_one_line(tmp_path, capsys):
         assert "has no GPU" in cli_error(capsys, "build", "--targets", "mlx", "--device", "gpu", "--out", out)
 
 
+@pytest.mark.skipif(mx.is_available(mx.gpu), reason="this MLX has a GPU to run a GPU build on")
+def test_a_gpu_build_is_refused_in_one_line_where_mlx_has_no_gpu(tmp_path, capsys):
+    """Artifacts built on a Mac for its GPU (their manifest says so), run where this MLX has none: exit 2, one line
+    naming the fix, before any graph runs."""
+    manifest = planned_build(npumoe.load(), tmp_path / "mlx")
+    for entry in manifest["graphs"].values():
+        entry["device"] = "gpu"
+    (tmp_path / "mlx" / "manifest.json").write_text(json.dumps(manifest))
+    assert "has no GPU" in cli_error(capsys, "generate", "--target", "mlx", "--artifacts", str(tmp_path / "mlx"),
+                                     "-n", "2")
+
+
 def test_without_mlx_the_record_still_imports_and_using_it_names_the_extra():
     script = ("import sys; sys.modules['mlx'] = None\n"  # as if MLX were not installed
               "from npumoe.core.base.errors import BackendUnavailableError\n"

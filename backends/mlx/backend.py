@@ -7,15 +7,15 @@ they do for every backend. On disk a layer's prefill and decode graphs each hold
 of one artifact directory share one copy of each. An expert group runs as mlx-lm's SwitchGLU runs experts, one
 gathered product a projection (:mod:`.switch`); its manifest entry says which way (``experts``). Shapes are the
 plan's: MLX has no static-shape rule, but a graph runs at the shapes
-it declares, so the engine treats it like any NPU graph (the KV cache passed in, every slot). Without MLX the
+it declares, so the engine treats it like any NPU graph (the KV cache passed in, every slot); a decode token whose
+graphs are all on mlx runs instead as one MLX graph over a cache kept on the device (:mod:`.step`). Without MLX the
 registry says to ``pip install 'npumoe[mlx]'`` (on Linux the extra brings ``mlx[cpu]``: ``mlx`` alone has no
 backend there).
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import mlx.core as mx
@@ -25,6 +25,8 @@ import torch
 from npumoe.backends.base import BackendBase
 from npumoe.backends.mlx.caps import MLX_CAPS
 from npumoe.backends.mlx.ops import graph_function
+from npumoe.backends.mlx.step import decode_step
+from npumoe.backends.mlx.streams import DEVICES, stream
 from npumoe.backends.mlx.switch import execution, gathered_experts
 from npumoe.backends.mlx.weights import (
     PRECISIONS,
@@ -40,17 +42,7 @@ from npumoe.core.ir.graph import WEIGHT_PREFIX, Graph
 
 FORMAT = "mlx-safetensors"
 GRAPH_DIR = "graphs"
-DEVICES = {"gpu": mx.gpu, "cpu": mx.cpu}
 ACTIVATIONS = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-_streams = threading.local()  # MLX streams belong to the thread that made them; the engine runs graphs on several
-
-
-def stream(device: str) -> mx.Stream:
-    """This thread's MLX stream on ``device``, made on first use."""
-    made = _streams.__dict__.setdefault("by_device", {})
-    if device not in made:
-        made[device] = mx.new_stream(DEVICES[device])
-    return made[device]
 
 
 def mlx_device(name: str | None) -> str:
@@ -114,9 +106,11 @@ class MlxBackend(BackendBase):
                     mx.eval(value.arrays(name) if isinstance(value, QuantizedMatrix) else value)  # read now, not by
                     self._loaded[key] = value  # the first run (on whichever thread that is)
                 bound[name] = self._loaded[key]
-            run = (gathered_experts(graph, bound) if artifact.info.get("experts", "").startswith("gather")
-                   else graph_function(graph, bound, graph.stateless_inputs()))
-        return MlxExecutor(graph, run, device, ACTIVATIONS[artifact.info.get("activations", "float32")])
+            gather = artifact.info.get("experts", "").startswith("gather")
+            run = gathered_experts(graph, bound) if gather else graph_function(graph, bound, graph.stateless_inputs())
+        executor = MlxExecutor(graph, run, device, ACTIVATIONS[artifact.info.get("activations", "float32")], bound)
+        executor.gathered = gather
+        return executor
 
     def describe(self) -> dict:
         return {"name": self.name, "mlx": mx.__version__, "device": self.device, "precision": self.precision,
@@ -131,19 +125,23 @@ def _is_matrix(graph: Graph, name: str) -> bool:
 
 class MlxExecutor:
     """One graph as an MLX function: torch tensors in (computed in ``dtype``), fp32 torch tensors out, evaluated on
-    its device."""
+    its device. A decode step whose graphs are all on mlx runs as one MLX graph instead (``decode_step``)."""
 
     keeps_state = False
+    decode_step = staticmethod(decode_step)
+    gathered = False  # an expert group run as gathered products (its ``run`` may be rebound to a step's stacks)
 
-    def __init__(self, graph: Graph, run: Callable[..., list[mx.array]], device: str, dtype: mx.Dtype = mx.float32):
-        """``run``: the graph as an MLX function of its stateless inputs, in order, to its outputs."""
-        self.graph, self._run, self.device, self.dtype = graph, run, device, dtype
+    def __init__(self, graph: Graph, run: Callable[..., list[mx.array]], device: str, dtype: mx.Dtype = mx.float32,
+                 weights: Mapping[str, mx.array | QuantizedMatrix] | None = None):
+        """``run``: the graph as an MLX function of its stateless inputs, in order, to its outputs; ``weights``:
+        what it is bound to."""
+        self.graph, self.run, self.device, self.dtype, self.weights = graph, run, device, dtype, weights or {}
         self.inputs = graph.stateless_inputs()
 
     def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         check_feed(self.graph, inputs, keeps_state=False, static=True)
         with mx.stream(stream(self.device)):
-            outputs = self._run(*[mx.array(inputs[name].detach().numpy()).astype(self.dtype) for name in self.inputs])
+            outputs = self.run(*[mx.array(inputs[name].detach().numpy()).astype(self.dtype) for name in self.inputs])
             mx.eval(outputs)
         return {name: torch.from_numpy(np.array(out.astype(mx.float32)))
                 for name, out in zip(self.graph.outputs, outputs)}

@@ -86,13 +86,13 @@ OP_IMPLS: dict[str, Callable] = {
 
 
 def graph_function(graph: Graph, weights: Mapping[str, mx.array | QuantizedMatrix],
-                   inputs: list[str]) -> Callable[..., list[mx.array]]:
+                   inputs: list[str], impls: Mapping[str, Callable] = OP_IMPLS) -> Callable[..., list[mx.array]]:
     """``graph`` as an MLX function of its ``inputs`` (in that order) → its outputs (in declared order), the
-    weights bound in."""
+    weights bound in, each op run by ``impls``."""
     steps = []
     for op in graph.ops:
         args = [weights[name[len(WEIGHT_PREFIX):]] if name.startswith(WEIGHT_PREFIX) else name for name in op.inputs]
-        steps.append((OP_IMPLS[op.op], args, op.a, op.outputs))
+        steps.append((impls[op.op], args, op.a, op.outputs))
     outputs = list(graph.outputs)
 
     def run(*values: mx.array) -> list[mx.array]:

@@ -26,7 +26,7 @@ LINEARS = ("linear", "lut_linear")
 def gatherable(graph: Graph) -> bool:
     """Is ``graph`` an expert group of two or more experts running the same ops on their slices of x, with weights
     only as its linears' matrices and biases?"""
-    segments = _expert_segments(graph)
+    segments = expert_segments(graph)
     return (segments is not None and len(segments) > 1 and all(_renaming(segments[0], s) for s in segments[1:])
             and all(op.op in LINEARS or not any(n.startswith(WEIGHT_PREFIX) for n in op.inputs) for op in graph.ops))
 
@@ -44,7 +44,16 @@ def execution(graph: Graph, quantized: Collection[str], gather: bool) -> str:
 def gathered_experts(graph: Graph, weights: Mapping[str, mx.array | QuantizedMatrix]) -> Callable:
     """A :func:`gatherable` ``graph``, its matrices all dense or all quantised alike, as a function x → [y] of
     gathered products."""
-    segments = _expert_segments(graph)
+    segments = expert_segments(graph)
+    run = switch_function(segments, weights)
+    rows = mx.array(np.repeat(np.arange(len(segments), dtype=np.uint32), graph.meta["capacities"]))
+    return lambda x: [run(x, rows, in_order=True)]
+
+
+def switch_function(segments: list[list[Op]], weights: Mapping[str, mx.array | QuantizedMatrix]) -> Callable:
+    """Experts alike (each one's ops, after the slice of x that starts it) as one function (x [rows, H], rows'
+    experts [rows] uint32, indices into ``segments``; ``in_order``: sorted) → y [rows, H], each projection one
+    gathered product over the experts' matrices stacked."""
     template, steps = segments[0], []
     for i, op in enumerate(template[1:], start=1):  # (after its slice)
         columns = [[s[i].inputs[j] for s in segments] for j in range(len(op.inputs))]
@@ -53,11 +62,10 @@ def gathered_experts(graph: Graph, weights: Mapping[str, mx.array | QuantizedMat
         stacked = [a for a in args if not isinstance(a, str)]
         mx.eval([a.arrays("") if isinstance(a, QuantizedMatrix) else a for a in stacked])  # now, on this thread
         steps.append((op.op, args, op.a, op.outputs))
-    rows = np.repeat(np.arange(len(segments), dtype=np.uint32), graph.meta["capacities"])
-    return _switch_function(steps, template[0].outputs[0], template[-1].outputs[0], mx.array(rows))
+    return _switch_function(steps, template[0].outputs[0], template[-1].outputs[0])
 
 
-def _expert_segments(graph: Graph) -> list[list[Op]] | None:
+def expert_segments(graph: Graph) -> list[list[Op]] | None:
     """Each expert's ops (its slice of x first), or None unless the graph is slices of x, each with its expert's
     ops, and a concat of their last outputs into y."""
     if graph.kind != "experts" or not graph.ops or graph.ops[-1].op != "concat":
@@ -99,20 +107,20 @@ def _stack(arrays: list) -> mx.array | QuantizedMatrix:
     return mx.stack(arrays)
 
 
-def _switch_function(steps: list, x_name: str, y_name: str, rows: mx.array) -> Callable:
-    def product(x, w, b=None):
-        if isinstance(w, QuantizedMatrix):
-            y = mx.gather_qmm(x, w.codes, w.scales, w.biases, rhs_indices=rows, transpose=True, group_size=w.group,
-                              bits=w.bits, sorted_indices=True).astype(x.dtype)
-        else:
-            y = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=rows, sorted_indices=True)
-        return y if b is None else y + b[rows][:, None]
+def _switch_function(steps: list, x_name: str, y_name: str) -> Callable:
+    def run(x: mx.array, rows: mx.array, in_order: bool = False) -> mx.array:
+        def product(x, w, b=None):
+            if isinstance(w, QuantizedMatrix):
+                y = mx.gather_qmm(x, w.codes, w.scales, w.biases, rhs_indices=rows, transpose=True,
+                                  group_size=w.group, bits=w.bits, sorted_indices=in_order).astype(x.dtype)
+            else:
+                y = mx.gather_mm(x, w.swapaxes(-1, -2), rhs_indices=rows, sorted_indices=in_order)
+            return y if b is None else y + b[rows][:, None]
 
-    def run(x: mx.array) -> list[mx.array]:
         env = {x_name: x[:, None]}  # [rows, 1, H]: one row a product, its expert by index
         for op, args, attrs, outs in steps:
             values = [env[a] if isinstance(a, str) else a for a in args]
             env[outs[0]] = product(*values) if op in LINEARS else OP_IMPLS[op](*values, **attrs)
-        return [env[y_name][:, 0]]
+        return env[y_name][:, 0]
 
     return run

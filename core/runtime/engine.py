@@ -27,6 +27,7 @@ from npumoe.core.ir.weights import compute_bytes
 from npumoe.core.runtime import DEFAULT_CHUNK
 from npumoe.core.runtime.allocator import keep_freed_blocks
 from npumoe.core.runtime.cpu_experts import CpuExperts
+from npumoe.core.runtime.device_step import DeviceStep, StepRequest, decode_graphs
 from npumoe.core.runtime.fused import attention_block
 from npumoe.core.runtime.handoff import KVHandoff
 from npumoe.core.runtime.kvcache import DecodeMasks, KVCache, attention_mask
@@ -121,6 +122,8 @@ class Engine:
         self._decode_masks = DecodeMasks()
         self._fused_attention_blocks: dict[int, AttentionBlock | None] = {}
         self._step_call: DecodeStep | None | object = _UNBUILT
+        self._device_call: DeviceStep | None | object = _UNBUILT
+        self._device_graphs: tuple[list[str], list[dict[int, str]]] = ([], [])  # (fixed, per MoE layer e → graph)
         ropes = [(ls.attention.rope, ls.attention.qk_rope_head_dim if ls.attention.kind == "mla"
                   else ls.attention.head_dim) for ls in self.spec.layers]  # (rope, rotated dims) per layer
         self._ropes = dict(enumerate(ropes))
@@ -231,6 +234,7 @@ class Engine:
         if self.cache.length == 0:
             raise InputError("there is no KV cache to hand over: prefill a prompt first.")
         k, v, sources = [], [], set()
+        self.cache.on_host()
         for i, step in enumerate(self.program.layers):
             executor = self.executors[step.attention[self.program.chunk]]
             if executor.keeps_state:
@@ -388,6 +392,7 @@ class Engine:
                 is not None:
             self.cache.length += valid
             return logits
+        self.cache.on_host()
         x = self._embed(ids, valid)
         shared: dict[tuple, object] = {}  # one step's rope rows and masks, for the layers alike in them
         for i, step in enumerate(self.program.layers):
@@ -471,9 +476,12 @@ class Engine:
         return out["h"], out["z"]
 
     def _fused_step(self, token: int, start: int) -> torch.Tensor | None:
-        """A decode token's logits [1, vocab] from one kernel call (:meth:`_decode_step`), with the metrics the
-        layer-by-layer path keeps; None where the call does not apply, or where its logits are not finite (the
-        layer-by-layer path then runs the step again, writing the same cache slots, and names the graph)."""
+        """A decode token's logits [1, vocab] from one call, the backend's (:meth:`_device_step`) or the CPU
+        kernels' (:meth:`_decode_step`), with the metrics the layer-by-layer path keeps; None where the call does
+        not apply, or where its logits are not finite (the layer-by-layer path then runs the step again, writing
+        the same cache slots, and names the graph)."""
+        if (device := self._device_step()) is not None:
+            return self._on_device(device, token, start)
         step = self._decode_step()
         if step is None:
             return None
@@ -494,6 +502,56 @@ class Engine:
         m.count_runs([self.program.lm_head[1]])
         self._count_launch(self.program.lm_head[1])
         return logits if self._finite(logits, 1) else None
+
+    def _on_device(self, step: DeviceStep, token: int, start: int) -> torch.Tensor | None:
+        """:meth:`_fused_step` through the backend's whole step, the host cache loaded onto its device first where
+        the host wrote it last; None, with the cache back on the host, where the logits are not finite."""
+        m, begin = self.metrics_, time.perf_counter()
+        x = self._embed(torch.tensor([token]), 1)
+        if self.cache.held_by is not step:
+            self.cache.on_host()
+            step.load(self.cache.k, self.cache.v, start)
+            self.cache.held_by = step
+        logits, experts = step(x, start)
+        m.record("layers", begin, time.perf_counter())
+        m.record("executor", begin, time.perf_counter())
+        fixed, expert_graphs = self._device_graphs
+        ran = fixed + sorted({graphs[e] for graphs, picked in zip(expert_graphs, experts) for e in picked})
+        m.count_runs(ran)
+        for name in ran:
+            self._count_launch(name)
+        m.add("routed", sum(map(len, experts)))
+        if self._finite(logits, 1):
+            return logits
+        self.cache.on_host()
+        return None
+
+    def _device_step(self) -> DeviceStep | None:
+        """The backend's whole decode step (:mod:`npumoe.core.runtime.device_step`), where every graph of a decode
+        step is loaded (no memory budget) on executors of one type that offers one, and nothing watches the layers
+        (no ``on_route``, no predictor); built at first use."""
+        if self._device_call is _UNBUILT:
+            self._device_call = None
+            names = decode_graphs(self.program) if self.on_route is None and self.predictor is None \
+                and self.executors.budget is None else None
+            executors = {name: self.executors[name] for name in names or ()}
+            kinds = {type(e) for e in executors.values()}
+            build = getattr(kinds.pop(), "decode_step", None) if len(kinds) == 1 else None
+            if build is None:
+                return None
+            rope = []
+            for i in range(self.spec.num_layers):
+                self._rope_rows(self._rope_keys[i], 0, 1)  # (its table of every position, built once)
+                rope.append(self._rope_tables[self._rope_keys[i]])
+            decode = {i: layer for (i, s), layer in self.moe_layers.items() if s == 1}
+            routers = {i: (layer.moe.router, layer.router_weight, layer.router_bias, layer.correction)
+                       for i, layer in decode.items()}
+            others = {name: self.executors[name] for name in self.program.graphs if name not in executors}
+            self._device_call = build(StepRequest(self.program, executors, rope, routers, others))
+            expert_graphs = [{e: shape.graph for g in layer.static for shape in g.shapes
+                              for e, c in zip(g.experts, shape.capacities) if c} for layer in decode.values()]
+            self._device_graphs = [n for n in names if self.program.graphs[n].kind != "experts"], expert_graphs
+        return self._device_call
 
     def _decode_step(self) -> DecodeStep | None:
         """The whole decode step as one kernel call, where every layer is an attention block and a CPU MoE layer

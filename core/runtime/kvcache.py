@@ -1,4 +1,5 @@
-"""The KV cache lives on the host; graphs see it as fixed-length inputs plus an additive mask."""
+"""The KV cache lives on the host; graphs see it as fixed-length inputs plus an additive mask. A device step
+(:mod:`npumoe.core.runtime.device_step`) may hold newer slots on its device; ``on_host`` brings them back."""
 
 from __future__ import annotations
 
@@ -22,9 +23,16 @@ class KVCache:
             self.k.append(torch.zeros(g.inputs["k_cache"].shape))
             self.v.append(torch.zeros(g.inputs["v_cache"].shape))
         self.length = 0
+        self.held_by = None  # a device step whose slots are newer than these tensors'
+
+    def on_host(self) -> None:
+        """Make these tensors the cache again, before the host reads or writes them."""
+        if self.held_by is not None:
+            self.held_by.write_back(self.k, self.v, self.length)
+            self.held_by = None
 
     def reset(self) -> None:
-        self.length = 0
+        self.length, self.held_by = 0, None
         for t in (*self.k, *self.v):
             t.zero_()
 

@@ -23,6 +23,17 @@ from npumoe.core.planning.costmodel import (
 )
 from npumoe.core.planning.plan import Plan
 
+SPLIT_TITLE = "ESTIMATED disaggregated generation per chip (cost model; not measured)"
+SPLIT_HEADERS = ("chip", "prefill → decode", "prompt + new", "seconds", "hand-off ms", "speed-up vs alone")
+
+
+def split_cells(rows: list[dict]) -> list[tuple[str, ...]]:
+    """:data:`SPLIT_HEADERS`' cells for each request of each chip in ``compare``'s ``disaggregated`` rows: what the
+    text table and the HTML report show alike."""
+    return [(row["chip"], f"{row['prefill']['target']} → {row['decode']['target']}", f"{r['prompt']} + {r['new']}",
+             f"{r['seconds']:.3g}", f"{1e3 * r['handoff_seconds']:.3g}",
+             ", ".join(f"{t} {x:.2f}x" for t, x in r["speedup"].items())) for row in rows for r in row["requests"]]
+
 
 def compare(out_dir) -> dict:
     """``{"model", "targets": {target: row}, "disaggregated", "devices", "cost_model_check"}``; each row holds at

@@ -9,6 +9,7 @@ from pathlib import Path
 from npumoe.core.base.io import write_output
 from npumoe.core.base.outputs import OutputKind, claim
 from npumoe.core.planning.profile import RoutingProfile
+from npumoe.core.tools.compare import SPLIT_HEADERS, SPLIT_TITLE, split_cells
 from npumoe.core.tools.plots import estimates_figure, png, profile_heatmap_figure, target_costs_figure
 
 MARK = '<meta name="generator" content="npumoe compare">'
@@ -58,6 +59,13 @@ def write_html(result: dict, out_dir, path) -> Path:
                      f"{html.escape(c['assumptions'])}</td>"
                      f"<td>{c['published_tok_s']:.1f}</td><td>{c['estimate_tok_s']:.1f}</td><td>{c['ratio']:.2f}</td>"
                      f"<td>{html.escape(c['source'])}</td></tr>" for c in result["cost_model_check"])
+    split = result.get("disaggregated", [])
+    split_head = "".join(f"<th>{html.escape(h)}</th>" for h in SPLIT_HEADERS)
+    split_body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>"
+                         for cells in split_cells(split))
+    assumed = "".join(f"<li>assumed: {html.escape(line)}</li>" for line in (split[0]["assumptions"] if split else ()))
+    split_table = (f"<h2>{html.escape(SPLIT_TITLE)}</h2>\n<table><tr>{split_head}</tr>{split_body}</table>"
+                   f"<ul>{assumed}</ul>") if split else ""
     sources = "".join(f"<tr><td>{html.escape(d['name'])}</td><td>{d['npu_tops']:g}</td><td>{d['dram_gb_s']:g}</td>"
                       f"<td>{d['launch_us']:g}</td><td>"
                       f"{'<br>'.join(html.escape(f'{k}: {v}') for k, v in d['sources'].items())}"
@@ -71,6 +79,7 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}img{{max-width:10
 <table><tr><th>target</th>{head}</tr>{body}</table><ul>{legend}</ul>{images}
 <h2>Estimated tokens/s per device (cost model, not measured)</h2>
 <table><tr><th>target</th><th>device</th><th>decode tok/s</th><th>prefill tok/s</th></tr>{estimates}</table>
+{split_table}
 <h2>The cost model against published figures it was not fitted to</h2>
 <table><tr><th>device</th><th>what</th><th>published tok/s</th><th>estimate</th><th>estimate / published</th>
 <th>source</th></tr>{checks}</table>

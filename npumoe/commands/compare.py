@@ -80,13 +80,11 @@ def render_split(rows: list[dict], console: Console) -> None:
     """Per chip two built targets share: prefill on one, the KV cache handed over, decode on the other."""
     if not rows:
         return
-    table = Table("chip", "prefill → decode", "prompt + new", "seconds", "hand-off ms", "speed-up vs alone",
-                  title="ESTIMATED disaggregated generation per chip (cost model; not measured)")
-    for row in rows:
-        for r in row["requests"]:
-            table.add_row(row["chip"], f"{row['prefill']['target']} → {row['decode']['target']}",
-                          f"{r['prompt']} + {r['new']}", f"{r['seconds']:.3g}", f"{1e3 * r['handoff_seconds']:.3g}",
-                          ", ".join(f"{t} {x:.2f}x" for t, x in r["speedup"].items()))
+    from npumoe.core.tools.compare import SPLIT_HEADERS, SPLIT_TITLE, split_cells
+
+    table = Table(*SPLIT_HEADERS, title=SPLIT_TITLE)
+    for cells in split_cells(rows):
+        table.add_row(*cells)
     console.print(table)
     for line in rows[0]["assumptions"]:
         click.echo(f"  assumed: {line}")

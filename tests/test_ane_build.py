@@ -12,6 +12,7 @@ import importlib.util
 import struct
 import sys
 from collections import ChainMap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,12 +61,17 @@ def converter_temporaries(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp16(model, ane_plan, tmp_path_factory, converter_temporaries):
+    """Built with the converter's temporaries in ``converter_temporaries`` (no RAM scratch)."""
     import tempfile
+
+    from npumoe.backends.apple_ane import convert
 
     out = tmp_path_factory.mktemp("ane") / "fp16"
     before, tempfile.tempdir = tempfile.tempdir, str(converter_temporaries)
     try:
-        return out, build(model, ane_plan, "ane", out, progress=False)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(convert, "MEMORY_SCRATCH", converter_temporaries / "no-such-dir")
+            return out, build(model, ane_plan, "ane", out, progress=False)
     finally:
         tempfile.tempdir = before
 
@@ -74,6 +80,21 @@ def test_a_build_leaves_no_converter_packages_behind(fp16, converter_temporaries
     """coremltools keeps each converted model's package until the process exits; a build deletes each once its
     weights are in the multifunction package, so a many-graph build does not hold them all on disk."""
     assert fp16[1]["graphs"] and not list(converter_temporaries.rglob("*.mlpackage"))
+
+
+def test_the_converters_temporaries_go_to_memory_when_it_has_room(tmp_path, monkeypatch):
+    import tempfile
+
+    from npumoe.backends.apple_ane import convert
+
+    monkeypatch.setattr(convert, "MEMORY_SCRATCH", tmp_path)
+    with convert.converter_scratch(1 << 20):
+        inside = Path(tempfile.gettempdir())
+        assert inside.parent == tmp_path and inside.is_dir()
+    assert not inside.exists() and Path(tempfile.gettempdir()) != inside
+    monkeypatch.setattr(convert, "available_memory", lambda: convert.SPARE_MEMORY)  # no memory to spare
+    with convert.converter_scratch(1 << 20):
+        assert Path(tempfile.gettempdir()).parent != tmp_path
 
 
 @pytest.fixture(scope="module")

@@ -98,7 +98,7 @@ class AneBackend(BackendBase):
         one graph's weights in memory at a time, however many share the package."""
         from npumoe.backends.apple_ane import lint
         from npumoe.backends.apple_ane.compress import luts_arrays
-        from npumoe.backends.apple_ane.convert import PackageWriter, convert_graph
+        from npumoe.backends.apple_ane.convert import PackageWriter, convert_graph, converter_scratch
         from npumoe.backends.apple_ane.layout import AneGraphModule
 
         entries = {}
@@ -107,7 +107,8 @@ class AneBackend(BackendBase):
                 module = AneGraphModule(g, weights, pkg.kv)
                 entries[g.name] = self._entry(g, module, pkg, precision)
                 arrays = luts_arrays(module, weights, precision) if precision != "fp16" else None
-                writer.add(function_name(g), convert_graph(module, precision, arrays))
+                with converter_scratch(sum(b.nbytes for b in module.buffers())):
+                    writer.add(function_name(g), convert_graph(module, precision, arrays))
                 del module
         lint.check(path)
         return entries

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import coremltools as ct
@@ -20,6 +23,7 @@ import torch
 from npumoe.backends.apple_ane import multifunction, passes
 from npumoe.backends.apple_ane.compress import compress
 from npumoe.backends.apple_ane.layout import AneGraphModule
+from npumoe.core.base.machine import available_memory
 
 DEPLOYMENT_TARGET = ct.target.iOS18  # the same opset as macOS15: states and multifunction need it
 
@@ -42,6 +46,34 @@ def convert_graph(module: AneGraphModule, precision: str, arrays=None) -> ct.mod
     if compressed is not mlmodel:
         discard(mlmodel)
     return compressed
+
+
+MEMORY_SCRATCH = Path("/dev/shm")  # a RAM-backed file system, where Linux has one
+
+
+@contextlib.contextmanager
+def converter_scratch(weight_bytes: int) -> Iterator[None]:
+    """coremltools writes a converted graph's weights twice before npumoe reads them into the package (its weights
+    directory, then its temporary package; a compressed graph's once more, smaller): into RAM (:data:`MEMORY_SCRATCH`)
+    when that has room for them and memory to spare, so the disk sees each weight once, in the package; else into the
+    usual temporary directory. ``weight_bytes``: the graph's weights at fp16."""
+    need = 3 * weight_bytes
+    try:
+        room = os.access(MEMORY_SCRATCH, os.W_OK) and shutil.disk_usage(MEMORY_SCRATCH).free > need
+    except OSError:
+        room = False
+    if not room or available_memory() < need + SPARE_MEMORY:
+        yield
+        return
+    with tempfile.TemporaryDirectory(dir=MEMORY_SCRATCH, prefix="npumoe-ane-") as scratch:
+        before, tempfile.tempdir = tempfile.tempdir, scratch
+        try:
+            yield
+        finally:
+            tempfile.tempdir = before
+
+
+SPARE_MEMORY = 2 << 30  # left free beside the scratch for the build itself
 
 
 def discard(mlmodel: ct.models.MLModel) -> None:

@@ -167,6 +167,40 @@ def test_a_prompt_longer_than_the_compiled_kv_length(model, htp_plan, fp16):
         eng.generate(np.zeros(MAX_CONTEXT - 4, dtype=np.int64), max_new_tokens=16)
 
 
+def test_a_small_budget_keeps_few_contexts_alive_and_the_tokens(model, htp_plan, fp16, monkeypatch):
+    """Under a budget of a third of the build, contexts are created and freed on demand (counted at QNN's session
+    and the executor's close, not timed): the live ones' bytes never pass the budget, and the greedy tokens equal
+    those of the build with every graph loaded."""
+    from npumoe.backends.qualcomm_htp.backend import HtpBackend
+    from npumoe.backends.qualcomm_htp.executor import HtpExecutor
+
+    out, manifest = fp16
+    prompt = ids(PROMPTS[0])[:24]
+    unbounded = npumoe.Engine(model, htp_plan, backend="htp", artifacts=out).generate(prompt, 8)
+    sizes = {n: g["bytes"] for n, g in manifest["graphs"].items()}
+    budget = sum(sizes.values()) // 3
+    live, peak, created = {}, [0], [0]
+    load, close = HtpBackend.load, HtpExecutor.close
+
+    def counted_load(self, artifact, out_dir, graph, weights):
+        executor = load(self, artifact, out_dir, graph, weights)
+        live[id(executor)] = sizes[graph.name]
+        created[0] += 1
+        peak[0] = max(peak[0], sum(live.values()))
+        return executor
+
+    def counted_close(self):
+        del live[id(self)]
+        close(self)
+
+    monkeypatch.setattr(HtpBackend, "load", counted_load)
+    monkeypatch.setattr(HtpExecutor, "close", counted_close)
+    eng = npumoe.Engine(model, htp_plan, backend="htp", artifacts=out, max_resident_bytes=budget)
+    np.testing.assert_array_equal(eng.generate(prompt, 8), unbounded)
+    assert created[0] > len(sizes)  # some graphs were loaded again after an eviction
+    assert 0 < peak[0] <= budget and eng.metrics["evictions"] == created[0] - len(live)
+
+
 # -- the command line: build for another SoC, generate with a trace ---------------------------------
 def test_cli_build_generate_and_trace(model, htp_plan, reference, tmp_path, capsys):
     plan_path = htp_plan.save(tmp_path / "plan.json")

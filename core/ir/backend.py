@@ -48,11 +48,16 @@ class Executor(Protocol):
     passes no ``Role.KV_CACHE`` inputs, only ``Role.POSITION``, and still appends the ``Role.KV_NEW``
     outputs to its own cache (the reference for every other graph). Such an executor also offers
     ``read_cache(name, length) -> [heads, length, dim]`` fp32 tensor: the first positions of its layer's cache
-    input ``name`` as its device holds them, which a KV hand-off to another engine reads."""
+    input ``name`` as its device holds them, which a KV hand-off to another engine reads.
+    An executor that holds device memory offers ``close()``, which frees it (residency calls it on eviction)."""
 
     keeps_state: bool
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
+class DeviceMemoryFull(Exception):
+    """A backend's ``load`` could not allocate the graph on its device: residency unloads others and retries."""
 
 
 @dataclass(frozen=True)

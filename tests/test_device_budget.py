@@ -86,14 +86,16 @@ def qwen3():
 
 def by_hand(p, shares: bool, expert_bytes: float, dense_bytes: float) -> tuple[float, int]:
     """(package weight bytes, compiled graphs) from the plan's groups: a graph per prefill shape and one per
-    decode part (one for the whole group when decode_experts is 0); Core ML shares a package among the graphs
-    reading one set of weights, a QNN context holds its own."""
+    decode part (one for the whole group when decode_experts is 0, none when decode runs on the prefill graphs);
+    Core ML shares a package among the graphs reading one set of weights, a QNN context holds its own."""
     weights, graphs = 0.0, 0
     for lp in p.layers.values():
         for g in lp.groups:
             parts = math.ceil(len(g.experts) / g.decode_experts) if g.decode_experts else 1
             if shares:
                 copies, units = (2, 1 + parts) if g.decode_experts else (1, 1)
+            elif p.decode == "prefill":  # decode launches the group's prefill graph: no graph of its own
+                copies = units = len(g.shapes)
             else:
                 copies, units = len(g.shapes) + 1, len(g.shapes) + parts
             weights += copies * len(g.experts) * EXPERT * expert_bytes

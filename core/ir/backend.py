@@ -259,6 +259,9 @@ class BackendPlugin:
     # own copy (one QNN context a graph): what a build needs of a device's memory (the cost model's budget)
     weight_bits: str | None = None
     shares_weights: bool = False
+    # graphs that cannot share weights (one QNN context a graph): the planner then gives each expert group one
+    # compiled shape and decodes on it too (Plan.decode "prefill"), so that a build stores every weight once
+    one_graph_per_weights: bool = False
     published: tuple[Published, ...] = ()  # measured figures on those chips that check the estimates
     commands: Mapping[str, str] = field(default_factory=dict)  # CLI name → "module:click_command", imported on use
     command_help: Mapping[str, str] = field(default_factory=dict)  # CLI name → its line in `npumoe --help`

@@ -21,7 +21,9 @@ padding(C) = E[max(0, C − n_ce)] and overflow(C) = E[max(0, n_ce − C)]. Thre
 
 Groups: every expert, ordered by popularity, cut into graphs of at most G experts (G bounded
 by the target's max graph bytes). A group graph stacks each expert's own capacity, so the
-capacities cost no extra graphs. Residency: a group runs on the NPU when its expected useful
+capacities cost no extra graphs. A target whose graphs cannot share weights (``one_graph_per_weights``: the
+HTP) gets one shape per group and decodes on it (``decode="prefill"``): each compiled graph then holds its
+experts' only copy. Residency: a group runs on the NPU when its expected useful
 tokens per launch pay for the dispatch cost (``auto``), always (``npu``) or never (``cpu``).
 """
 
@@ -43,7 +45,14 @@ from npumoe.core.ir.backend import Capabilities, capabilities, plugin
 from npumoe.core.ir.identity import check_weights
 from npumoe.core.ir.spec import ModelSpec
 from npumoe.core.ir.weights import expected_shapes, mlp_shapes
-from npumoe.core.planning import DECODE_GRAPHS_PER_LAYER, GRAPHS_PER_LAYER, METHODS, OVERFLOW_POLICIES, RESIDENCY
+from npumoe.core.planning import (
+    DECODE,
+    DECODE_GRAPHS_PER_LAYER,
+    GRAPHS_PER_LAYER,
+    METHODS,
+    OVERFLOW_POLICIES,
+    RESIDENCY,
+)
 from npumoe.core.planning.profile import RoutingProfile, imbalance
 
 MAX_GROUP_EXPERTS = 16
@@ -95,17 +104,19 @@ class Plan:
     # graphs the target cannot take → why (its declared ops and sizes); they run on the CPU. A layer
     # whose expert graphs it cannot take is keyed "L{i}.experts" (its groups are then CPU-resident).
     cpu_graphs: dict[str, str] = field(default_factory=dict)
+    decode: str = "own"  # single-token decode on graphs of its own, or on the groups' prefill graphs (DECODE)
 
     # -- what the program builder asks ---------------------------------------------------------
     def groups(self, layer: int, seq: int) -> list[ExpertGroup]:
         """Static groups for prefill chunks, each in its compiled shapes; for single-token decode, each group
         cut into graphs of ``decode_experts`` experts at the smallest aligned capacity (each expert sees at
-        most one token per step), so that a step reads the weights of the graphs its experts are in."""
+        most one token per step), so that a step reads the weights of the graphs its experts are in; or, with
+        ``decode`` "prefill", the prefill groups themselves."""
         lp, out = self.layers[layer], []
         for j, g in enumerate(lp.groups):
             if not g.shapes:
                 out.append(ExpertGroup(f"L{layer}.cpu.g{j}", tuple(g.experts)))
-            elif seq == self.chunk:
+            elif seq == self.chunk or self.decode == "prefill":
                 shapes = tuple(StaticShape(f"L{layer}.experts.g{j}.p{v}", tuple(c)) for v, c in enumerate(g.shapes))
                 out.append(ExpertGroup(f"L{layer}.g{j}", tuple(g.experts), shapes, lp.overflow_cost))
             else:
@@ -145,7 +156,7 @@ class Plan:
             bad(f"chunk {self.chunk} must be ≥ 1 and alignment {self.alignment} between 1 and {MAX_ALIGNMENT}")
         if not all(isinstance(why, str) for why in self.cpu_graphs.values()):
             bad("its cpu_graphs must map graph names to the reasons they run on the CPU")
-        for name, value, allowed in (("overflow", self.overflow, OVERFLOW_POLICIES),
+        for name, value, allowed in (("overflow", self.overflow, OVERFLOW_POLICIES), ("decode", self.decode, DECODE),
                                      ("dense_placement", self.dense_placement, ("cpu", "npu"))):
             if value not in allowed:
                 bad(f"its {name} is {value!r}, not one of {', '.join(allowed)}")
@@ -518,6 +529,7 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
         raise InputError(f"decode graphs per layer must be at least 1, not {decode_graphs_per_layer}.")
     profile.check_model(model)
     caps, cpu = capabilities(target), capabilities("cpu")
+    once = plugin(target).one_graph_per_weights  # a shape per group, decoded on: each weight in one graph
     cpu_graphs = unsupported_graphs(spec, profile.chunk, target)
     layers: dict[int, LayerPlan] = {}
     for i in spec.moe_layers:
@@ -526,7 +538,7 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
         members = make_groups([int(e) for e in profile.popularity(i)], per_expert, caps)
         if method == "optimal":
             shapes, lam = optimal_shapes([loads[:, g] for g in members], caps.alignment, max_overflow,
-                                         max(1, graphs_per_layer // len(members)))
+                                         1 if once else max(1, graphs_per_layer // len(members)))
         else:
             tiers, tier_of = paper_tiers(loads, caps.alignment, uniform=method == "uniform")
             shapes, lam = [np.asarray([[tiers[tier_of[e]] for e in g]]) for g in members], 1.0
@@ -538,7 +550,8 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
             useful = float(f["fill"].mean())
             on_npu = f"L{i}.experts" not in cpu_graphs and (residency == "npu" or (
                 residency == "auto" and pays_for_npu(useful, float(f["slots"].mean()), flops, caps, cpu, len(experts))))
-            decode = decode_graph_experts(hit[experts], profile.top_k[i], per_expert, caps) if on_npu else 0
+            decode = decode_graph_experts(hit[experts], profile.top_k[i], per_expert, caps) if on_npu and not once \
+                else 0
             groups.append(GroupPlan(experts, group_shapes.tolist() if on_npu else [], "npu" if on_npu else "cpu",
                                     useful, per_expert * len(experts), 0 if decode == len(experts) else decode))
         cap_decode_graphs(groups, decode_graphs_per_layer)
@@ -560,6 +573,7 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
         alignment=caps.alignment,
         weights=model.weights_fingerprint(),
         cpu_graphs=cpu_graphs,
+        decode="prefill" if once else "own",
     )
 
 

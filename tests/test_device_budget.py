@@ -15,7 +15,7 @@ import npumoe
 from npumoe.bench.scale import QWEN3_30B_A3B
 from npumoe.cli import main
 from npumoe.core.ir.backend import plugin
-from npumoe.core.planning.costmodel import budget_lines, footprint, verdict, verdicts
+from npumoe.core.planning.costmodel import budget_lines, footprint, size, verdict, verdicts
 from npumoe.core.planning.plan import plan
 from npumoe.core.planning.profile import RoutingProfile
 from npumoe.models.loader import config_spec
@@ -129,7 +129,7 @@ def test_qwen3_30b_does_not_fit_an_8_gb_phone_at_fp16(qwen3, target, phone):
     needed = need.package_weight_bytes + need.host_weight_bytes + need.kv_bytes + need.activation_bytes \
         + need.graphs * device.graph_overhead_mb * 1e6
     assert v.memory_over == pytest.approx(needed - 8e9 * device.app_share)
-    assert f"{v.memory_over / 1e9:.1f} GB over" in v.line and v.line.endswith("✗")
+    assert f"{size(v.memory_over)} over" in v.line and v.line.endswith("✗")
 
 
 def test_a_build_no_device_holds_names_the_nearest_and_by_how_much(qwen3):

@@ -22,8 +22,9 @@ padding(C) = E[max(0, C − n_ce)] and overflow(C) = E[max(0, n_ce − C)]. Thre
 Groups: every expert, ordered by popularity, cut into graphs of at most G experts (G bounded
 by the target's max graph bytes). A group graph stacks each expert's own capacity, so the
 capacities cost no extra graphs. A target whose graphs cannot share weights (``one_graph_per_weights``: the
-HTP) gets one shape per group and decodes on it (``decode="prefill"``): each compiled graph then holds its
-experts' only copy. Residency: a group runs on the NPU when its expected useful
+HTP) gets its groups cut as its decode graphs would be, one shape each, and decodes on them
+(``decode="prefill"``): each compiled graph then holds its experts' only copy, and a decode launch reads no more
+than a decode graph would. Residency: a group runs on the NPU when its expected useful
 tokens per launch pay for the dispatch cost (``auto``), always (``npu``) or never (``cpu``).
 """
 
@@ -444,6 +445,18 @@ def decode_graph_experts(hit: np.ndarray, top_k: int, per_expert_bytes: int, cap
     return min(sizes, key=seconds)  # (the largest of equals: fewer graphs to build)
 
 
+def decode_sized(members: list[list[int]], hit: np.ndarray, top_k: int, per_expert_bytes: int, caps: Capabilities,
+                 cap: int) -> list[list[int]]:
+    """The groups cut as their decode graphs would be (the cost model's size, widened to at most ``cap`` a layer):
+    where decode launches the prefill groups, a group is what one decode launch reads."""
+    groups = []
+    for m in members:
+        size = decode_graph_experts(hit[m], top_k, per_expert_bytes, caps)
+        groups.append(GroupPlan(m, [[1] * len(m)], "npu", 0.0, 0, 0 if size == len(m) else size))
+    cap_decode_graphs(groups, cap)
+    return [part for g in groups for part in g.decode_parts()]
+
+
 def cap_decode_graphs(groups: list[GroupPlan], cap: int) -> None:
     """Widen the decode graphs of the groups cut into the most until the layer has at most ``cap`` of them (or
     every group is one graph): each step doubles one group's experts per graph, as the sizes the cost model chose
@@ -536,6 +549,9 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
         loads = profile.loads[i]
         per_expert = expert_bytes(spec, i)
         members = make_groups([int(e) for e in profile.popularity(i)], per_expert, caps)
+        hit = loads.sum(axis=0) / max(loads.sum() / profile.top_k[i], 1)  # per expert: P(a token routes to it)
+        if once:
+            members = decode_sized(members, hit, profile.top_k[i], per_expert, caps, decode_graphs_per_layer)
         if method == "optimal":
             shapes, lam = optimal_shapes([loads[:, g] for g in members], caps.alignment, max_overflow,
                                          1 if once else max(1, graphs_per_layer // len(members)))
@@ -543,7 +559,6 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
             tiers, tier_of = paper_tiers(loads, caps.alignment, uniform=method == "uniform")
             shapes, lam = [np.asarray([[tiers[tier_of[e]] for e in g]]) for g in members], 1.0
         flops = 2 * per_expert / 2  # per token: a multiply-add per weight; per_expert counts 2-byte weights
-        hit = loads.sum(axis=0) / max(loads.sum() / profile.top_k[i], 1)  # per expert: P(a token routes to it)
         groups = []
         for experts, group_shapes in zip(members, shapes):
             f = launch_figures(loads[:, experts], group_shapes, lam)

@@ -172,6 +172,25 @@ def test_auto_residency_keeps_tiny_experts_off_the_npu(model, profile):
     assert all(g.residency == "npu" and g.shapes for lp in forced.layers.values() for g in lp.groups)
 
 
+def test_htp_plans_store_each_expert_in_one_graph_and_decode_on_it(model, profile):
+    """The HTP cannot share weights between graphs: each NPU group gets one compiled shape, decode launches it, so
+    every expert's weights are in exactly one graph; the engine still computes the unplanned reference's tokens."""
+    from npumoe.core.compiler.program import build_program
+
+    p = plan(model, profile, target="htp", residency="npu", graphs_per_layer=6)
+    assert p.decode == "prefill" and plan(model, profile, target="ane", residency="npu").decode == "own"
+    graphs = build_program(model.spec, chunk=p.chunk, max_context=64, plan=p).graphs
+    experts = [g for g in graphs.values() if g.kind == "experts" and g.placement == "npu"]
+    names = [n for g in experts for n in g.weight_names()]
+    assert experts and len(names) == len(set(names)) == 3 * model.spec.layers[0].ffn.num_experts * len(p.layers)
+    for i in p.layers:
+        assert [s.graph for g in p.groups(i, 1) for s in g.shapes] == [s.graph for g in p.groups(i, p.chunk)
+                                                                      for s in g.shapes]
+    assert Plan.from_json(json.loads(json.dumps(p.to_json()))).decode == "prefill"
+    ids = np.asarray(model.tokenizer.encode("def add(a, b):\n    return a + b\n"))
+    np.testing.assert_array_equal(npumoe.Engine(model, plan=p).generate(ids, 8), npumoe.Engine(model).generate(ids, 8))
+
+
 def test_profile_from_another_model_is_refused(profile, tmp_path):
     other = byte_model(tmp_path / "other", experts=4)
     with pytest.raises(ArtifactError, match="another model"):

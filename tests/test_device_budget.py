@@ -15,7 +15,7 @@ import npumoe
 from npumoe.bench.scale import QWEN3_30B_A3B
 from npumoe.cli import main
 from npumoe.core.ir.backend import plugin
-from npumoe.core.planning.costmodel import budget_lines, footprint, verdict, verdicts
+from npumoe.core.planning.costmodel import budget_lines, footprint, size, verdict, verdicts
 from npumoe.core.planning.plan import plan
 from npumoe.core.planning.profile import RoutingProfile
 from npumoe.models.loader import config_spec
@@ -86,14 +86,16 @@ def qwen3():
 
 def by_hand(p, shares: bool, expert_bytes: float, dense_bytes: float) -> tuple[float, int]:
     """(package weight bytes, compiled graphs) from the plan's groups: a graph per prefill shape and one per
-    decode part (one for the whole group when decode_experts is 0); Core ML shares a package among the graphs
-    reading one set of weights, a QNN context holds its own."""
+    decode part (one for the whole group when decode_experts is 0, none when decode runs on the prefill graphs);
+    Core ML shares a package among the graphs reading one set of weights, a QNN context holds its own."""
     weights, graphs = 0.0, 0
     for lp in p.layers.values():
         for g in lp.groups:
             parts = math.ceil(len(g.experts) / g.decode_experts) if g.decode_experts else 1
             if shares:
                 copies, units = (2, 1 + parts) if g.decode_experts else (1, 1)
+            elif p.decode == "prefill":  # decode launches the group's prefill graph: no graph of its own
+                copies = units = len(g.shapes)
             else:
                 copies, units = len(g.shapes) + 1, len(g.shapes) + parts
             weights += copies * len(g.experts) * EXPERT * expert_bytes
@@ -127,7 +129,7 @@ def test_qwen3_30b_does_not_fit_an_8_gb_phone_at_fp16(qwen3, target, phone):
     needed = need.package_weight_bytes + need.host_weight_bytes + need.kv_bytes + need.activation_bytes \
         + need.graphs * device.graph_overhead_mb * 1e6
     assert v.memory_over == pytest.approx(needed - 8e9 * device.app_share)
-    assert f"{v.memory_over / 1e9:.1f} GB over" in v.line and v.line.endswith("✗")
+    assert f"{size(v.memory_over)} over" in v.line and v.line.endswith("✗")
 
 
 def test_a_build_no_device_holds_names_the_nearest_and_by_how_much(qwen3):

@@ -167,6 +167,40 @@ def test_a_prompt_longer_than_the_compiled_kv_length(model, htp_plan, fp16):
         eng.generate(np.zeros(MAX_CONTEXT - 4, dtype=np.int64), max_new_tokens=16)
 
 
+def test_a_small_budget_keeps_few_contexts_alive_and_the_tokens(model, htp_plan, fp16, monkeypatch):
+    """Under a budget of a third of the build, contexts are created and freed on demand (counted at QNN's session
+    and the executor's close, not timed): the live ones' bytes never pass the budget, and the greedy tokens equal
+    those of the build with every graph loaded."""
+    from npumoe.backends.qualcomm_htp.backend import HtpBackend
+    from npumoe.backends.qualcomm_htp.executor import HtpExecutor
+
+    out, manifest = fp16
+    prompt = ids(PROMPTS[0])[:24]
+    unbounded = npumoe.Engine(model, htp_plan, backend="htp", artifacts=out).generate(prompt, 8)
+    sizes = {n: g["bytes"] for n, g in manifest["graphs"].items()}
+    budget = sum(sizes.values()) // 3
+    live, peak, created = {}, [0], [0]
+    load, close = HtpBackend.load, HtpExecutor.close
+
+    def counted_load(self, artifact, out_dir, graph, weights):
+        executor = load(self, artifact, out_dir, graph, weights)
+        live[id(executor)] = sizes[graph.name]
+        created[0] += 1
+        peak[0] = max(peak[0], sum(live.values()))
+        return executor
+
+    def counted_close(self):
+        del live[id(self)]
+        close(self)
+
+    monkeypatch.setattr(HtpBackend, "load", counted_load)
+    monkeypatch.setattr(HtpExecutor, "close", counted_close)
+    eng = npumoe.Engine(model, htp_plan, backend="htp", artifacts=out, max_resident_bytes=budget)
+    np.testing.assert_array_equal(eng.generate(prompt, 8), unbounded)
+    assert created[0] > len(sizes)  # some graphs were loaded again after an eviction
+    assert 0 < peak[0] <= budget and eng.metrics["evictions"] == created[0] - len(live)
+
+
 # -- the command line: build for another SoC, generate with a trace ---------------------------------
 def test_cli_build_generate_and_trace(model, htp_plan, reference, tmp_path, capsys):
     plan_path = htp_plan.save(tmp_path / "plan.json")
@@ -270,3 +304,33 @@ def test_executorch_attention_fp16_and_experts_16a8w(model, htp_plan, tmp_path):
         got = PteExecutor(path, graph)(inputs)
         for key, want in TorchGraphExecutor(graph, model.weights)(inputs).items():
             assert row_cosines(got[key].reshape(-1).numpy(), want.reshape(-1).numpy()) >= bound, (name, precision, key)
+
+
+def test_bench_scale_full_builds_and_runs_a_whole_checkpoint(tmp_path, capsys, monkeypatch):
+    """`npumoe bench scale --full` on a shrunk OLMoE checkpoint: each command measured, the artifacts' bytes against
+    the fp16 weights their graphs read (counted here from the checkpoint's own tensors), and the HTP's new tokens
+    against the CPU reference's top-1 on the same tokens."""
+    from safetensors import safe_open
+
+    from npumoe.bench import scale
+    from npumoe.bench.scale import OLMOE_1B_7B_0924, write_random_checkpoint
+
+    small = dict(hidden_size=64, intermediate_size=32, num_experts=4, num_hidden_layers=2, vocab_size=300,
+                 num_attention_heads=4, num_key_value_heads=4, num_experts_per_tok=2, eos_token_id=299)
+    path = write_random_checkpoint({**OLMOE_1B_7B_0924, **small}, tmp_path / "olmoe", progress=False)
+    monkeypatch.setattr(scale, "CACHE", tmp_path)
+    capsys.readouterr()
+    cli(["bench", "scale", "--ckpt", str(path), "--full", "--json"])
+    full = json.loads(capsys.readouterr().out)["full"]
+    assert [s["step"].split()[0] for s in full["steps"]] == ["calibrate", "plan", "build", "generate"]
+    assert all(s["seconds"] > 0 and s["peak_anon_bytes"] > 0 for s in full["steps"])
+    numel = {}
+    for f in path.glob("*.safetensors"):
+        with safe_open(f, "np") as st:
+            numel |= {k: int(np.prod(st.get_slice(k).get_shape())) for k in st.keys()}
+    on_host = [k for k in numel if k.endswith(("embed_tokens.weight", "mlp.gate.weight"))]
+    assert full["artifacts"]["fp16_weights_held"] == 2 * (sum(numel.values()) - sum(numel[k] for k in on_host))
+    assert full["artifacts"]["bytes_on_disk"] > full["artifacts"]["fp16_weights_held"]
+    g = full["agreement"]
+    assert 1 <= g["of"] == len(g["tokens"]) <= 8 and g["agree"] >= g["of"] - 1
+    assert not list(tmp_path.glob("npumoe-bench-scale-full-*"))  # the build is deleted

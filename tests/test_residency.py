@@ -6,6 +6,8 @@ import torch
 from hf_compare import build_checkpoint, transformers
 
 import npumoe
+from npumoe.core.base.errors import InputError
+from npumoe.core.ir.backend import DeviceMemoryFull
 from npumoe.core.runtime.metrics import Metrics
 from npumoe.core.runtime.predictor import RoutingPredictor, recall_at
 from npumoe.core.runtime.residency import ResidentExecutors
@@ -32,6 +34,45 @@ def test_a_graph_larger_than_the_budget_still_runs():
     cache = ResidentExecutors({"big": lambda: "BIG", "small": lambda: "SMALL"}, {"big": 100, "small": 1}, 10, m)
     assert cache["big"] == "BIG" and cache["small"] == "SMALL" and cache["big"] == "BIG"
     assert m.counts["evictions"] == 2
+
+
+class Device:
+    """A device that holds ``capacity`` loaded graphs and refuses the next one, as QNN does with MEM_ALLOC."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.live = capacity, set()
+
+    def loader(self, name: str):
+        def load():
+            if len(self.live) >= self.capacity:
+                raise DeviceMemoryFull("full")
+            self.live.add(name)
+            return Closing(self, name)
+        return load
+
+
+class Closing:
+    def __init__(self, device, name):
+        self.device, self.name = device, name
+
+    def close(self):
+        self.device.live.remove(self.name)
+
+
+def test_a_full_device_sets_the_budget_to_what_it_held():
+    """Without a budget every graph is loaded until the device refuses one; the rest load on demand, evicting."""
+    device, m = Device(3), Metrics()
+    cache = ResidentExecutors({n: device.loader(n) for n in "abcdef"}, dict.fromkeys("abcdef", 10), None, m)
+    cache.load_all()
+    assert cache.budget == 30 and device.live == {"b", "c", "d"} and m.counts["device_full"] == 1  # d evicted a
+    assert [cache[n].name for n in "fedcba"] == list("fedcba")
+    assert len(device.live) <= 3 and m.counts["device_full"] == 1  # the budget keeps it from refusing again
+
+
+def test_a_graph_the_empty_device_refuses_is_named():
+    cache = ResidentExecutors({"big": Device(0).loader("big")}, {"big": 5_000_000}, None, Metrics())
+    with pytest.raises(InputError, match=r"graph big \(5 MB\) does not fit the device's memory even with every other"):
+        cache.load_all()
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from npumoe.backends.qualcomm_htp.qnn import DEFAULT_SOC, soc_info
 from npumoe.backends.qualcomm_htp.quantize import SCHEMES, checked_precision, precision_for
 from npumoe.core.base.errors import ArtifactError, InputError
 from npumoe.core.base.io import atomic_write_bytes
-from npumoe.core.ir.backend import Lowered
+from npumoe.core.ir.backend import DeviceMemoryFull, Lowered
 
 VIAS = ("onnx", "executorch")
 GRAPH_DIR = "graphs"
@@ -62,7 +62,6 @@ class HtpBackend(BackendBase):
         self.calibration_text = calibration_text
         self.samples: dict[str, list] = {}
         self.calibration: dict | None = None
-        self.executors: list = []
 
     @property
     def fp16(self) -> bool:
@@ -162,12 +161,14 @@ class HtpBackend(BackendBase):
             self.profile_dir.mkdir(parents=True, exist_ok=True)
             csv = self.profile_dir / f"{graph.name}.csv"
             csv.unlink(missing_ok=True)
-        sess = session(Path(out_dir) / artifact.info["context_model"], artifact.info["soc"],
-                       artifact.info["precision"] == "fp16",
-                       profile_csv=csv)
-        executor = HtpExecutor(sess, graph, csv)
-        self.executors.append(executor)
-        return executor
+        try:
+            sess = session(Path(out_dir) / artifact.info["context_model"], artifact.info["soc"],
+                           artifact.info["precision"] == "fp16", profile_csv=csv)
+        except Exception as err:  # noqa: BLE001 - onnxruntime raises its own Fail/RuntimeException types
+            if "MEM_ALLOC" in str(err):  # QNN_COMMON_ERROR_MEM_ALLOC: the HTP holds no more contexts
+                raise DeviceMemoryFull("QNN_COMMON_ERROR_MEM_ALLOC") from None
+            raise
+        return HtpExecutor(sess, graph, csv)
 
     def describe(self) -> dict:
         from npumoe.backends.onnx_export import OPSET

@@ -74,6 +74,7 @@ PLUGIN = BackendPlugin(
     summary="Qualcomm Hexagon NPU through QNN (ONNX Runtime's QNN EP or ExecuTorch); runs here on QNN's x86_64 HTP",
     conformance=FP16_CONFORMANCE,
     devices=DEVICES, published=PUBLISHED, weight_bits="npumoe.backends.qualcomm_htp.quantize:weight_bits",
+    one_graph_per_weights=True,  # docs/deploy.md, "Weights once on the HTP"
     commands={"hub": "npumoe.backends.qualcomm_htp.hub:hub_command"},
     command_help={"hub": "Compile or profile HTP graphs on Qualcomm AI Hub devices."},
     trace="npumoe.backends.qualcomm_htp.trace:HtpTrace",

@@ -50,3 +50,7 @@ class HtpExecutor:
         if self.profile_csv is not None:
             self.launches.append((start, time.perf_counter()))
         return {name: torch.from_numpy(arr) for name, arr in zip(self.outputs, raw)}
+
+    def close(self) -> None:
+        """Free the session, and with it the QNN context the HTP holds for it."""
+        self.session = None

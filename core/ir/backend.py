@@ -48,11 +48,16 @@ class Executor(Protocol):
     passes no ``Role.KV_CACHE`` inputs, only ``Role.POSITION``, and still appends the ``Role.KV_NEW``
     outputs to its own cache (the reference for every other graph). Such an executor also offers
     ``read_cache(name, length) -> [heads, length, dim]`` fp32 tensor: the first positions of its layer's cache
-    input ``name`` as its device holds them, which a KV hand-off to another engine reads."""
+    input ``name`` as its device holds them, which a KV hand-off to another engine reads.
+    An executor that holds device memory offers ``close()``, which frees it (residency calls it on eviction)."""
 
     keeps_state: bool
 
     def __call__(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
+class DeviceMemoryFull(Exception):
+    """A backend's ``load`` could not allocate the graph on its device: residency unloads others and retries."""
 
 
 @dataclass(frozen=True)
@@ -258,6 +263,9 @@ class BackendPlugin:
     # own copy (one QNN context a graph): what a build needs of a device's memory (the cost model's budget)
     weight_bits: str | None = None
     shares_weights: bool = False
+    # graphs that cannot share weights (one QNN context a graph): the planner then gives each expert group one
+    # compiled shape and decodes on it too (Plan.decode "prefill"), so that a build stores every weight once
+    one_graph_per_weights: bool = False
     published: tuple[Published, ...] = ()  # measured figures on those chips that check the estimates
     commands: Mapping[str, str] = field(default_factory=dict)  # CLI name → "module:click_command", imported on use
     command_help: Mapping[str, str] = field(default_factory=dict)  # CLI name → its line in `npumoe --help`

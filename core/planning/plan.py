@@ -21,7 +21,10 @@ padding(C) = E[max(0, C − n_ce)] and overflow(C) = E[max(0, n_ce − C)]. Thre
 
 Groups: every expert, ordered by popularity, cut into graphs of at most G experts (G bounded
 by the target's max graph bytes). A group graph stacks each expert's own capacity, so the
-capacities cost no extra graphs. Residency: a group runs on the NPU when its expected useful
+capacities cost no extra graphs. A target whose graphs cannot share weights (``one_graph_per_weights``: the
+HTP) gets its groups cut as its decode graphs would be, one shape each, and decodes on them
+(``decode="prefill"``): each compiled graph then holds its experts' only copy, and a decode launch reads no more
+than a decode graph would. Residency: a group runs on the NPU when its expected useful
 tokens per launch pay for the dispatch cost (``auto``), always (``npu``) or never (``cpu``).
 """
 
@@ -43,7 +46,14 @@ from npumoe.core.ir.backend import Capabilities, capabilities, plugin
 from npumoe.core.ir.identity import check_weights
 from npumoe.core.ir.spec import ModelSpec
 from npumoe.core.ir.weights import expected_shapes, mlp_shapes
-from npumoe.core.planning import DECODE_GRAPHS_PER_LAYER, GRAPHS_PER_LAYER, METHODS, OVERFLOW_POLICIES, RESIDENCY
+from npumoe.core.planning import (
+    DECODE,
+    DECODE_GRAPHS_PER_LAYER,
+    GRAPHS_PER_LAYER,
+    METHODS,
+    OVERFLOW_POLICIES,
+    RESIDENCY,
+)
 from npumoe.core.planning.profile import RoutingProfile, imbalance
 
 MAX_GROUP_EXPERTS = 16
@@ -95,17 +105,19 @@ class Plan:
     # graphs the target cannot take → why (its declared ops and sizes); they run on the CPU. A layer
     # whose expert graphs it cannot take is keyed "L{i}.experts" (its groups are then CPU-resident).
     cpu_graphs: dict[str, str] = field(default_factory=dict)
+    decode: str = "own"  # single-token decode on graphs of its own, or on the groups' prefill graphs (DECODE)
 
     # -- what the program builder asks ---------------------------------------------------------
     def groups(self, layer: int, seq: int) -> list[ExpertGroup]:
         """Static groups for prefill chunks, each in its compiled shapes; for single-token decode, each group
         cut into graphs of ``decode_experts`` experts at the smallest aligned capacity (each expert sees at
-        most one token per step), so that a step reads the weights of the graphs its experts are in."""
+        most one token per step), so that a step reads the weights of the graphs its experts are in; or, with
+        ``decode`` "prefill", the prefill groups themselves."""
         lp, out = self.layers[layer], []
         for j, g in enumerate(lp.groups):
             if not g.shapes:
                 out.append(ExpertGroup(f"L{layer}.cpu.g{j}", tuple(g.experts)))
-            elif seq == self.chunk:
+            elif seq == self.chunk or self.decode == "prefill":
                 shapes = tuple(StaticShape(f"L{layer}.experts.g{j}.p{v}", tuple(c)) for v, c in enumerate(g.shapes))
                 out.append(ExpertGroup(f"L{layer}.g{j}", tuple(g.experts), shapes, lp.overflow_cost))
             else:
@@ -145,7 +157,7 @@ class Plan:
             bad(f"chunk {self.chunk} must be ≥ 1 and alignment {self.alignment} between 1 and {MAX_ALIGNMENT}")
         if not all(isinstance(why, str) for why in self.cpu_graphs.values()):
             bad("its cpu_graphs must map graph names to the reasons they run on the CPU")
-        for name, value, allowed in (("overflow", self.overflow, OVERFLOW_POLICIES),
+        for name, value, allowed in (("overflow", self.overflow, OVERFLOW_POLICIES), ("decode", self.decode, DECODE),
                                      ("dense_placement", self.dense_placement, ("cpu", "npu"))):
             if value not in allowed:
                 bad(f"its {name} is {value!r}, not one of {', '.join(allowed)}")
@@ -433,6 +445,18 @@ def decode_graph_experts(hit: np.ndarray, top_k: int, per_expert_bytes: int, cap
     return min(sizes, key=seconds)  # (the largest of equals: fewer graphs to build)
 
 
+def decode_sized(members: list[list[int]], hit: np.ndarray, top_k: int, per_expert_bytes: int, caps: Capabilities,
+                 cap: int) -> list[list[int]]:
+    """The groups cut as their decode graphs would be (the cost model's size, widened to at most ``cap`` a layer):
+    where decode launches the prefill groups, a group is what one decode launch reads."""
+    groups = []
+    for m in members:
+        size = decode_graph_experts(hit[m], top_k, per_expert_bytes, caps)
+        groups.append(GroupPlan(m, [[1] * len(m)], "npu", 0.0, 0, 0 if size == len(m) else size))
+    cap_decode_graphs(groups, cap)
+    return [part for g in groups for part in g.decode_parts()]
+
+
 def cap_decode_graphs(groups: list[GroupPlan], cap: int) -> None:
     """Widen the decode graphs of the groups cut into the most until the layer has at most ``cap`` of them (or
     every group is one graph): each step doubles one group's experts per graph, as the sizes the cost model chose
@@ -518,27 +542,31 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
         raise InputError(f"decode graphs per layer must be at least 1, not {decode_graphs_per_layer}.")
     profile.check_model(model)
     caps, cpu = capabilities(target), capabilities("cpu")
+    once = plugin(target).one_graph_per_weights  # a shape per group, decoded on: each weight in one graph
     cpu_graphs = unsupported_graphs(spec, profile.chunk, target)
     layers: dict[int, LayerPlan] = {}
     for i in spec.moe_layers:
         loads = profile.loads[i]
         per_expert = expert_bytes(spec, i)
         members = make_groups([int(e) for e in profile.popularity(i)], per_expert, caps)
+        hit = loads.sum(axis=0) / max(loads.sum() / profile.top_k[i], 1)  # per expert: P(a token routes to it)
+        if once:
+            members = decode_sized(members, hit, profile.top_k[i], per_expert, caps, decode_graphs_per_layer)
         if method == "optimal":
             shapes, lam = optimal_shapes([loads[:, g] for g in members], caps.alignment, max_overflow,
-                                         max(1, graphs_per_layer // len(members)))
+                                         1 if once else max(1, graphs_per_layer // len(members)))
         else:
             tiers, tier_of = paper_tiers(loads, caps.alignment, uniform=method == "uniform")
             shapes, lam = [np.asarray([[tiers[tier_of[e]] for e in g]]) for g in members], 1.0
         flops = 2 * per_expert / 2  # per token: a multiply-add per weight; per_expert counts 2-byte weights
-        hit = loads.sum(axis=0) / max(loads.sum() / profile.top_k[i], 1)  # per expert: P(a token routes to it)
         groups = []
         for experts, group_shapes in zip(members, shapes):
             f = launch_figures(loads[:, experts], group_shapes, lam)
             useful = float(f["fill"].mean())
             on_npu = f"L{i}.experts" not in cpu_graphs and (residency == "npu" or (
                 residency == "auto" and pays_for_npu(useful, float(f["slots"].mean()), flops, caps, cpu, len(experts))))
-            decode = decode_graph_experts(hit[experts], profile.top_k[i], per_expert, caps) if on_npu else 0
+            decode = decode_graph_experts(hit[experts], profile.top_k[i], per_expert, caps) if on_npu and not once \
+                else 0
             groups.append(GroupPlan(experts, group_shapes.tolist() if on_npu else [], "npu" if on_npu else "cpu",
                                     useful, per_expert * len(experts), 0 if decode == len(experts) else decode))
         cap_decode_graphs(groups, decode_graphs_per_layer)
@@ -560,6 +588,7 @@ def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "s
         alignment=caps.alignment,
         weights=model.weights_fingerprint(),
         cpu_graphs=cpu_graphs,
+        decode="prefill" if once else "own",
     )
 
 

@@ -2,9 +2,12 @@
 
 A phone cannot hold every compiled expert graph of a 30 B model at once; the NPU's loaded graphs
 (context binaries, Core ML models) are a cache over the artifacts on flash. ``max_resident_bytes``
-is that cache's size. A graph larger than the whole budget still runs: it is loaded, run, and the
-next load evicts it. Prefetching loads a graph before its step needs it (during the previous
-attention, on a device), so the step finds it resident.
+is that cache's size. Room is made before a load, so the loaded graphs' bytes stay within it (a graph
+larger than the whole budget still runs: it is loaded alone, run, and the next load evicts it). A
+device that runs out of memory first (:class:`~npumoe.core.ir.backend.DeviceMemoryFull`) sets the budget to
+what it held: without a budget, the engine loads every graph until then and the rest on demand. Evicted
+executors are closed, so the device frees them. Prefetching loads a graph before its step needs it (during
+the previous attention, on a device), so the step finds it resident.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, MutableMapping
 
+from npumoe.core.base.errors import InputError
 from npumoe.core.base.progress import track
-from npumoe.core.ir.backend import Executor
+from npumoe.core.ir.backend import DeviceMemoryFull, Executor
 from npumoe.core.runtime.metrics import Metrics
 
 
@@ -21,7 +25,8 @@ class ResidentExecutors(MutableMapping[str, Executor]):
     """A mapping of graph name → executor whose values are loaded when asked for and evicted (least recently
     used first) while the resident ones' bytes exceed ``budget`` (None: no limit, nothing evicted). Metrics count
     ``executor_hits``, ``executor_misses`` (a load on demand), ``prefetches``, ``prefetch_hits`` (a prefetched
-    graph used before its eviction) and ``evictions``; ``resident_bytes`` peaks as ``peak_resident_bytes``."""
+    graph used before its eviction), ``evictions`` and ``device_full`` (loads the device refused for memory);
+    ``resident_bytes`` peaks as ``peak_resident_bytes``."""
 
     def __init__(self, loaders: dict[str, Callable[[], Executor]], sizes: dict[str, int], budget: int | None,
                  metrics: Metrics):
@@ -55,27 +60,42 @@ class ResidentExecutors(MutableMapping[str, Executor]):
                 self._prefetched.add(name)
 
     def load_all(self) -> None:
-        """Every graph, now: without a budget, the engine loads all at start so that a damaged artifact is named
-        before the first token rather than in the middle of a run."""
+        """Every graph, now, or as many as the device holds: without a budget, the engine loads all at start so
+        that a damaged artifact is named before the first token rather than in the middle of a run."""
         for name in track([n for n in self._loaders if n not in self._resident], "loading graphs", "graphs"):
+            if self.budget is not None:  # the device filled up: the rest load on demand
+                return
             self._load(name)
 
     def _load(self, name: str) -> Executor:
-        executor = self._loaders[name]()
+        size = self.sizes.get(name, 0)
+        while True:
+            self._evict(room=size)
+            try:
+                executor = self._loaders[name]()
+                break
+            except DeviceMemoryFull as err:
+                self.metrics.add("device_full")
+                if not self._resident:
+                    raise InputError(f"graph {name} ({size / 1e6:.4g} MB) does not fit the device's memory even with "
+                                     f"every other graph unloaded ({err}); build it at a lower --precision or a "
+                                     "smaller --chunk.") from None
+                self.budget = self.resident_bytes  # what the device held; room for this graph is made from it
         self._resident[name] = executor
-        self.resident_bytes += self.sizes.get(name, 0)
-        self._evict(keep=name)
+        self.resident_bytes += size
         self.metrics.counts["peak_resident_bytes"] = max(self.metrics.counts.get("peak_resident_bytes", 0),
                                                          self.resident_bytes)
         return executor
 
-    def _evict(self, keep: str) -> None:
-        while self.budget is not None and self.resident_bytes > self.budget and len(self._resident) > 1:
-            name = next(n for n in self._resident if n != keep)
-            del self._resident[name]
+    def _evict(self, room: int) -> None:
+        """Unload the least recently used graphs until ``room`` more bytes fit the budget."""
+        while self.budget is not None and self._resident and self.resident_bytes + room > self.budget:
+            name, executor = self._resident.popitem(last=False)
             self._prefetched.discard(name)
             self.resident_bytes -= self.sizes.get(name, 0)
             self.metrics.add("evictions")
+            if close := getattr(executor, "close", None):
+                close()
 
     def __setitem__(self, name: str, executor: Executor) -> None:
         """Replace a graph's executor (a test or a tracer wrapping it); it stays the one loaded from now on."""

@@ -158,7 +158,7 @@ class Sampler(threading.Thread):
 
 def measure(argv: list[str], env: dict | None = None) -> dict:
     """Run ``npumoe *argv`` in a fresh process (with ``env`` as its environment, if given); wall time, peaks,
-    bytes written and its stderr's last line."""
+    bytes written, its stdout and its stderr's last line."""
     with task(f"npumoe {argv[0]}, measured in its own process"):
         start = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-c", "from npumoe.cli import main; main()", *argv],
@@ -173,7 +173,8 @@ def measure(argv: list[str], env: dict | None = None) -> dict:
         raise click.ClickException(f"npumoe {' '.join(argv)} failed ({proc.returncode}): {err.strip()[-2000:]}")
     last = [line for line in err.strip().splitlines() if line.startswith("[")]
     return {"command": " ".join(argv), "seconds": wall, "peak_anon_bytes": sampler.peak_anon,
-            "peak_rss_bytes": sampler.peak_rss, "written_bytes": sampler.written, "summary": last[-1] if last else ""}
+            "peak_rss_bytes": sampler.peak_rss, "written_bytes": sampler.written, "summary": last[-1] if last else "",
+            "stdout": out}
 
 
 def bf16_decode_bytes(ckpt: Path) -> int:
@@ -251,12 +252,18 @@ GOALS = {"inspect": "≤ 3 s, ≤ 0.5 GB private", "plan": "≤ 5 s", "calibrate
 INT4_DECODE_GOAL = 0.85  # of the rate the int4 checkpoint's bytes per token allow (issue 34)
 
 
-def run_steps(ckpt: Path, work: Path, steps: tuple[str, ...], console: Console) -> list[dict]:
-    """Each command as a user runs it, on ``ckpt``; builds lower a one-layer cut of it."""
+def calibration_text(work: Path) -> Path:
+    """The first 4 kB of Python's own documentation, as ``work/calibration.txt``."""
     import pydoc_data.topics
 
     text = work / "calibration.txt"
     text.write_text("".join(pydoc_data.topics.topics.values())[:4096])
+    return text
+
+
+def run_steps(ckpt: Path, work: Path, steps: tuple[str, ...], console: Console) -> list[dict]:
+    """Each command as a user runs it, on ``ckpt``; builds lower a one-layer cut of it."""
+    text = calibration_text(work)
     ids = ",".join(
         str(b) for b in "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a,".encode()[:64])
     model = ["--model", str(ckpt)]
@@ -280,8 +287,12 @@ def run_steps(ckpt: Path, work: Path, steps: tuple[str, ...], console: Console) 
             results += build_one_layer(ckpt, work, console)
             continue
         console.print(f"[dim]npumoe {' '.join(runs[step])[:160]}[/dim]")
-        results.append({"step": step, **measure(runs[step])})
+        results.append({"step": step, **without_stdout(measure(runs[step]))})
     return results
+
+
+def without_stdout(result: dict) -> dict:
+    return {k: v for k, v in result.items() if k != "stdout"}
 
 
 def build_one_layer(ckpt: Path, work: Path, console: Console) -> list[dict]:
@@ -297,7 +308,7 @@ def build_one_layer(ckpt: Path, work: Path, console: Console) -> list[dict]:
                  "--out", str(plan)])
         argv = ["build", *model, "--plan", str(plan), "--target", target, "--out", str(work / f"build-{target}")]
         console.print(f"[dim]npumoe {' '.join(argv)}[/dim]")
-        results.append({"step": f"build {target} (1 layer)", **measure(argv, cold)})
+        results.append({"step": f"build {target} (1 layer)", **without_stdout(measure(argv, cold))})
     return results
 
 
@@ -310,14 +321,19 @@ def build_one_layer(ckpt: Path, work: Path, console: Console) -> list[dict]:
 @click.option("--ckpt", type=click.Path(file_okay=False), default=None,
               help=f"Use this checkpoint instead of the one written once under {CACHE}.")
 @click.option("--steps", default=",".join(STEPS), show_default=True, help="Which commands to run, comma-separated.")
+@click.option("--full", is_flag=True,
+              help="Instead of --steps: calibrate, plan, build the whole model for the HTP and generate a 64-token "
+                   "prompt's 8 new tokens through the built artifacts; top-1 agreement with the CPU reference. The "
+                   "build (~ the checkpoint's size on disk) is deleted afterwards.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def bench_scale_command(model_name, layers, ckpt, steps, as_json):
+def bench_scale_command(model_name, layers, ckpt, steps, full, as_json):
     """Every command on a real-size checkpoint: wall time, peak private memory, peak RSS, bytes written.
 
     \b
     Examples:
       npumoe bench scale                                   # OLMoE-1B-7B-0924's config, 13.8 GB of bf16
       npumoe bench scale --model qwen3-30b-a3b --layers 8  # Qwen3-30B-A3B's widths, 8 of its 48 layers
+      npumoe bench scale --full                            # the whole model built for the HTP and run
     """
     chosen = tuple(s.strip() for s in steps.split(",") if s.strip())
     unknown = [s for s in chosen if s not in STEPS]
@@ -337,6 +353,8 @@ def bench_scale_command(model_name, layers, ckpt, steps, as_json):
         path = write_random_checkpoint({**cfg, "num_hidden_layers": layers}, CACHE / f"{model_name}-{layers}-layers")
     else:
         path = write_random_checkpoint(cfg, CACHE / model_name)
+    if full:
+        return _full(path, console, as_json)
     with tempfile.TemporaryDirectory(prefix="npumoe-bench-scale-", dir=CACHE) as work:
         results = run_steps(path, Path(work), chosen, console)
         # the quantised checkpoint as npumoe.load holds it by default: packed matrices at their packed size
@@ -384,6 +402,19 @@ def bench_scale_command(model_name, layers, ckpt, steps, as_json):
                       f"{b['bound_tok_s']:.2f} tok/s; {rate}")
     console.print("peak private = RssAnon (what the process allocated; mapped weights are file pages and not "
                   "counted); RSS counts both. Private memory is sampled every 5 ms.")
+
+
+def _full(path: Path, console: Console, as_json: bool) -> None:
+    from npumoe.bench.scale_full import print_full, run_full
+
+    with tempfile.TemporaryDirectory(prefix="npumoe-bench-scale-full-", dir=CACHE) as work:
+        calibration_text(Path(work))
+        result = {"checkpoint": str(path), "machine": {"cpus": os.cpu_count(), "ram_bytes": _ram()},
+                  "full": run_full(path, Path(work), console, measure)}
+    if as_json:
+        click.echo(json.dumps(result, indent=1))
+    else:
+        print_full(result, console)
 
 
 def _ram() -> int:

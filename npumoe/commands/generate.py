@@ -48,7 +48,8 @@ def prompt_ids(model, prompt: str | None, ids: str | None) -> list[int]:
 @click.option("--artifacts", default=None, type=click.Path(), help="Artifact directory from npumoe build.")
 @click.option("--max-resident-mb", default=None, type=click.FloatRange(0),
               help="Keep at most this many MB of graphs loaded (least recently used evicted first); before each MoE "
-                   "layer's attention, its router prefetches the experts it expects. Default: load every graph.")
+                   "layer's attention, its router prefetches the experts it expects. Default: every graph, or as many "
+                   "as the device holds and the rest on demand.")
 @click.option("--trace", "trace_path", default=None, type=click.Path(),
               help="Write a Chrome trace of host steps (and, for htp, the HTP's per-graph profile) here.")
 @click.option("--prefill-on", default=None,

@@ -8,6 +8,7 @@ matrices stored so): Core ML is handed no fp32 tensor to cast, which the ANE lin
 
 from __future__ import annotations
 
+from npumoe.backends.partition import tag_partitions
 from npumoe.core.base.errors import BackendUnavailableError
 from npumoe.core.ir.backend import is_expert_product
 
@@ -28,9 +29,6 @@ def _partitioner():
     except ImportError as err:
         raise BackendUnavailableError(f"npumoe export --target ane needs ExecuTorch's Core ML partitioner, which did "
                                       f"not import ({err}); install pip install 'npumoe[ane]'.") from err
-    from executorch.exir.backend.partitioner import PartitionResult
-    from executorch.exir.backend.utils import tag_constant_data
-    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 
     class ExpertSupport(_OperatorsSupportedForCoreMLBackend):
         def is_node_supported(self, submodules, node) -> bool:
@@ -40,14 +38,7 @@ def _partitioner():
         """Core ML's partitioner offered only the expert products, kept undecomposed only there."""
 
         def partition(self, edge_program):
-            tags = {}
-            for part in CapabilityBasedPartitioner(edge_program.graph_module, ExpertSupport(),
-                                                   allows_single_node_partition=True).propose_partitions():
-                for node in part.nodes:
-                    node.meta["delegation_tag"] = f"tag{part.id}"
-                tags[f"tag{part.id}"] = self.delegation_spec
-            tag_constant_data(edge_program)
-            return PartitionResult(tagged_exported_program=edge_program, partition_tags=tags)
+            return tag_partitions(edge_program, ExpertSupport(), self.delegation_spec)
 
         def ops_to_not_decompose(self, ep):
             ops, _ = super().ops_to_not_decompose(ep)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from npumoe.backends.partition import tag_partitions
 from npumoe.core.base.errors import BackendUnavailableError
 from npumoe.core.ir.backend import RunnerSetup, is_expert_product
 
@@ -22,9 +23,7 @@ def _partitioner():
         raise BackendUnavailableError(f"npumoe export --target intel_npu needs ExecuTorch's OpenVINO partitioner, which "
                                       f"did not import ({err}); install pip install nncf openvino.") from err
     from executorch.exir.backend.compile_spec_schema import CompileSpec
-    from executorch.exir.backend.partitioner import DelegationSpec, Partitioner, PartitionResult
-    from executorch.exir.backend.utils import tag_constant_data
-    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+    from executorch.exir.backend.partitioner import DelegationSpec, Partitioner
 
     class ExpertSupport(OpenvinoOperatorsSupport):
         def is_node_supported(self, submodules, node) -> bool:
@@ -38,15 +37,7 @@ def _partitioner():
             self.delegation_spec = DelegationSpec(OpenvinoBackend.__name__, [CompileSpec("device", DEVICE.encode())])
 
         def partition(self, edge_program):
-            support = ExpertSupport(set(), set(), set())
-            tags = {}
-            for part in CapabilityBasedPartitioner(edge_program.graph_module, support,
-                                                   allows_single_node_partition=True).propose_partitions():
-                for node in part.nodes:
-                    node.meta["delegation_tag"] = f"tag{part.id}"
-                tags[f"tag{part.id}"] = self.delegation_spec
-            tag_constant_data(edge_program)
-            return PartitionResult(tagged_exported_program=edge_program, partition_tags=tags)
+            return tag_partitions(edge_program, ExpertSupport(set(), set(), set()), self.delegation_spec)
 
     return ExpertPartitioner()
 

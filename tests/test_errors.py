@@ -388,3 +388,16 @@ def test_a_plans_chunk_the_machine_cannot_hold_names_the_plan(tiny, built, tmp_p
     err = cli_error(capsys, "generate", "--model", str(tiny), "--plan", str(tmp_path / "plan.json"), "--ids", "1")
     assert err.startswith("error: the plan's chunk of 1000000000 tokens with a") and err.endswith(
         "GB is free; make a plan with a smaller --chunk (or --max-context)."), err
+
+
+def test_a_build_for_another_target_is_not_run_on_the_cpu(tiny, tmp_path, capsys):
+    """generate --artifacts B without --target ran an NPU build's model on the CPU, ignoring B, as if it were B's."""
+    pytest.importorskip("mlx.core", reason="the other target here is mlx")
+    from npumoe.core.compiler.artifacts import build
+
+    model = npumoe.load(tiny)
+    plan = npumoe.plan(model, npumoe.calibrate(model, [list(range(50))], chunk=4), target="mlx", residency="npu")
+    build(model, plan, "mlx", tmp_path / "mlx-build", max_context=16, progress=False)
+    other = tmp_path / "mlx-build"
+    err = cli_error(capsys, "generate", "--model", str(tiny), "--artifacts", str(other), "--ids", "1,2", "-n", "2")
+    assert err == f"error: {other} holds a build for 'mlx', not 'cpu'; pass --target mlx (backend='mlx') to run it."

@@ -95,6 +95,9 @@ class Engine:
 
             artifacts = target_directory(artifacts, backend)  # a multi-target build: this backend's part
             manifest = read_manifest(artifacts, verify=False)  # files are verified when loaded
+            if manifest.get("target") != backend:  # a CPU run would otherwise ignore them and look like theirs
+                raise InputError(f"{artifacts} holds a build for {manifest.get('target')!r}, not {backend!r}; pass "
+                                 f"--target {manifest.get('target')} (backend={manifest.get('target')!r}) to run it.")
             check_built_for(manifest, artifacts, model)  # before its plan's check, so the message names the artifacts
             chunk, max_context = manifest["chunk"], manifest["max_context"]
             plan = artifacts_plan(manifest, artifacts, plan)  # theirs: another would run their graphs wrongly

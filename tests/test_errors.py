@@ -386,7 +386,7 @@ def test_a_plans_chunk_the_machine_cannot_hold_names_the_plan(tiny, built, tmp_p
     plan = json.loads((built / "plan.json").read_text())
     (tmp_path / "plan.json").write_text(json.dumps(plan | {"chunk": 10**9}))
     err = cli_error(capsys, "generate", "--model", str(tiny), "--plan", str(tmp_path / "plan.json"), "--ids", "1")
-    assert err.startswith("error: the plan's chunk of 1000000000 tokens with a") and err.endswith(
+    assert err.startswith("error: the plan's chunk 1000000000 with a") and err.endswith(
         "GB is free; make a plan with a smaller --chunk (or --max-context)."), err
 
 

@@ -109,7 +109,7 @@ def check_fits(spec: ModelSpec, chunk: int, max_context: int, planned: bool = Fa
     the chunk is a plan's, so the fix is a new plan, not an option of this command."""
     need, free = running_bytes(spec, chunk, max_context), available_memory()
     if free and need > free:
-        what = f"the plan's chunk of {chunk} tokens" if planned else f"--chunk {chunk}"
+        what = f"the plan's chunk {chunk}" if planned else f"--chunk {chunk}"
         fix = "make a plan with a smaller --chunk" if planned else "use a smaller --chunk"
         raise InputError(f"{what} with a {max_context}-token context needs about {need / 1e9:.3g} GB for "
                          f"activations and the KV cache, but {free / 1e9:.3g} GB is free; {fix} (or --max-context).")

@@ -29,6 +29,23 @@ def real_width_checkpoint(name: str, layers: int) -> Path:
     return write_random_checkpoint(cfg, CACHE / f"{name}-{layers}-layers")
 
 
+def model_options(default_layers: int):
+    """``--model`` (the demo or a real model's widths) and ``--layers``, as the benches that take either ask them;
+    :func:`bench_model_path` turns them into what to load."""
+    def decorate(f):
+        f = click.option("--layers", default=default_layers, show_default=True, type=click.IntRange(1),
+                         help="Layers of the real-width model (written once to the bench cache).")(f)
+        return click.option("--model", "model_name", type=click.Choice(["demo", *MODELS]), default="demo",
+                            show_default=True,
+                            help="The shipped demo model, or a real model's exact widths with random bf16 weights.")(f)
+    return decorate
+
+
+def bench_model_path(model_name: str, layers: int) -> Path | None:
+    """What :func:`model_options` chose, for ``npumoe.load`` (None: the demo)."""
+    return None if model_name == "demo" else real_width_checkpoint(model_name, layers)
+
+
 def host_inside_layers(spans: list[tuple[str, float, float]]) -> float:
     """Seconds inside the layers not spent in an executor: the host work a layer adds, apart from a step's own
     (embedding, the LM head's logits, sampling), which a 2-layer cut would otherwise split over 2 layers. A layer
@@ -108,10 +125,7 @@ def render(result: dict, console: Console) -> None:
 
 
 @click.command("decode")
-@click.option("--model", "model_name", type=click.Choice(["demo", *MODELS]), default="demo", show_default=True,
-              help="The shipped demo model, or a real model's exact widths with random bf16 weights.")
-@click.option("--layers", default=2, show_default=True, type=click.IntRange(1),
-              help="Layers of the real-width model (written once to the bench cache).")
+@model_options(default_layers=2)
 @click.option("--tokens", default=64, show_default=True, type=click.IntRange(1), help="Decode steps to time.")
 @dtype_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
@@ -128,7 +142,7 @@ def bench_decode_command(model_name, layers, tokens, dtype, as_json):
     from npumoe.models.loader import load
 
     with task("loading"):
-        model = load(None if model_name == "demo" else real_width_checkpoint(model_name, layers), dtype=dtype)
+        model = load(bench_model_path(model_name, layers), dtype=dtype)
         engine = Engine(model)
     with task(f"decoding {tokens} tokens"):
         result = measure(engine, tokens)

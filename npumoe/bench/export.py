@@ -17,8 +17,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from npumoe.bench.decode import real_width_checkpoint
-from npumoe.bench.scale import MODELS
+from npumoe.bench.decode import bench_model_path, model_options
 from npumoe.core.base.progress import task
 from npumoe.models.demo import corpus
 
@@ -124,10 +123,7 @@ def render(result: dict, console: Console) -> None:
 
 
 @click.command("export")
-@click.option("--model", "model_name", type=click.Choice(["demo", *MODELS]), default="demo", show_default=True,
-              help="The shipped demo model, or a real model's exact widths with random bf16 weights.")
-@click.option("--layers", default=1, show_default=True, type=click.IntRange(1),
-              help="Layers of the real-width model (written once to the bench cache).")
+@model_options(default_layers=1)
 @click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False),
               help="A plan (npumoe plan) for both; default none: every routed pair computed exactly.")
 @click.option("--prompt-bytes", default=200, show_default=True, type=click.IntRange(1),
@@ -151,7 +147,7 @@ def bench_export_command(model_name, layers, plan_path, prompt_bytes, tokens, ro
     from npumoe.models.loader import load
 
     with task("loading"):
-        model = load(None if model_name == "demo" else real_width_checkpoint(model_name, layers), dtype="float32")
+        model = load(bench_model_path(model_name, layers), dtype="float32")
     plan = Plan.load(plan_path) if plan_path else None
     text = corpus.heldout_texts(1)[0][:prompt_bytes]
     ids = [i for i in (model.tokenizer.encode(text) if model.tokenizer else range(1, prompt_bytes + 1))

@@ -49,6 +49,7 @@ def convert_graph(module: AneGraphModule, precision: str, arrays=None) -> ct.mod
 
 
 MEMORY_SCRATCH = Path("/dev/shm")  # a RAM-backed file system, where Linux has one
+SPARE_MEMORY = 2 << 30  # left free beside the scratch for the build itself
 
 
 @contextlib.contextmanager
@@ -71,9 +72,6 @@ def converter_scratch(weight_bytes: int) -> Iterator[None]:
             yield
         finally:
             tempfile.tempdir = before
-
-
-SPARE_MEMORY = 2 << 30  # left free beside the scratch for the build itself
 
 
 def discard(mlmodel: ct.models.MLModel) -> None:

@@ -13,7 +13,6 @@ numpy MIL interpreter (:mod:`.mil_exec`) elsewhere.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from npumoe.backends.apple_ane.caps import ANE_CAPS
@@ -28,12 +27,6 @@ from npumoe.core.ir.backend import Lowered
 VIAS = ("coreml", "executorch")
 PTE_PRECISIONS = ("fp16", "int4")  # what ExecuTorch's Core ML compile specs express
 PACKAGE_DIR = "packages"
-
-# coremltools (and torchao, which ExecuTorch pulls in) log a dozen version and missing-native-library
-# warnings at import on Linux; none is actionable here, and they would bury npumoe's own output.
-for _noisy in ("coremltools", "torchao", "torch.utils._pytree"):
-    logging.getLogger(_noisy).setLevel(logging.ERROR)
-
 
 def require_coremltools() -> None:
     try:

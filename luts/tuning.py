@@ -7,7 +7,10 @@ times the int4 GEMV over a weight larger than the caches at each distance of a s
 and keeps the fastest. Where the multi-row LUT-GEMV stops winning depends on the core's lookups against its dot
 products, so the same process times a small hot product at each row count of :data:`ROW_GRID` on each path
 (:class:`Crossovers`). The choices are cached beside the compiled libraries, keyed by the build and the CPU, so
-later processes read them and a changed CPU (a migrated VM, a copied cache) measures again.
+later processes read them and a changed CPU (a migrated VM, a copied cache) measures again. Timings taken while other
+processes held the cores are skewed (a busy first use once picked a prefetch distance twice the quiet one), so each
+measurement records the share of the machine others used meanwhile, and a choice made under load is measured again
+by the first process that finds the machine quiet.
 ``NPUMOE_LUT_PREFETCH=<bytes>`` sets the distance and ``NPUMOE_LUT_CROSSOVERS=<int8 rows>,<rows × bits>`` (each a
 number or ``never``; ``defaults`` for the built-in ones) the crossovers by hand; with both set nothing is measured.
 """
@@ -26,7 +29,7 @@ import numpy as np
 
 from npumoe.core.base.errors import InputError
 from npumoe.core.base.io import atomic_write_text
-from npumoe.core.base.machine import available_memory
+from npumoe.core.base.machine import available_memory, cpu_sample, others_cpu_share, others_cpu_share_now
 
 GRID = (4096, 8192, 12288, 16384, 24576, 32768)  # bytes ahead; csrc/lut.h's default is 12288
 ROUNDS = 3  # each distance's best pass of this many, the rounds interleaved over the grid ...
@@ -34,6 +37,7 @@ BUDGET_S = 1.2  # ... or of as many rounds as fit in this (at least one): a firs
 CROSSOVER_BUDGET_S = 0.5  # the same for the crossovers' rounds
 K, GROUP, BITS = 4096, 64, 4  # the swept weight: 4096 inputs, int4 in groups of 64 (`bench lut`'s format)
 MIN_SWEEP_BYTES, MAX_SWEEP_BYTES = 64 << 20, 256 << 20
+BUSY = 0.25  # others' share of the machine's CPU above which a measurement is provisional
 
 
 ROW_GRID = (4, 8, 16, 32, 64, 128, 256, 512)  # prompt rows timed on each path
@@ -62,6 +66,12 @@ class Tuning:
     ms_by_distance: dict[str, float]  # the sweep's best pass per distance (empty unless measured)
     ms_by_rows: dict[str, dict[str, float]]  # path → row count → best time (empty unless measured)
     seconds: float  # what the measurement took
+    others_cpu: float | None  # the share of the machine's CPU others used while it was taken (None: unknown)
+
+    @property
+    def provisional(self) -> bool:
+        """Taken on a busy machine (or one that did not say): to be measured again once it is quiet."""
+        return self.others_cpu is None or self.others_cpu > BUSY
 
 
 def tune(isa: str, library: Path, calls, threads: int) -> Tuning:
@@ -69,9 +79,11 @@ def tune(isa: str, library: Path, calls, threads: int) -> Tuning:
     cache, or measured now (and cached)."""
     prefetch, crossovers = _prefetch_from_environment(), _crossovers_from_environment(isa)
     if prefetch is not None and crossovers is not None:
-        tuning = Tuning(prefetch, crossovers, "environment", {}, {}, 0.0)
+        tuning = Tuning(prefetch, crossovers, "environment", {}, {}, 0.0, None)
     else:
-        tuning = _read(cache_path(isa, library, threads)) or retune(isa, library, calls, threads)
+        tuning = _read(cache_path(isa, library, threads))
+        if tuning is None or (tuning.provisional and not _busy(others_cpu_share_now())):
+            tuning = retune(isa, library, calls, threads)
         tuning = replace(tuning, prefetch=prefetch or tuning.prefetch, crossovers=crossovers or tuning.crossovers)
     calls.set_prefetch(tuning.prefetch)
     return tuning
@@ -98,6 +110,10 @@ def _crossovers_from_environment(isa: str) -> Crossovers | None:
     return Crossovers(*(None if f == "never" else int(f) for f in fields))
 
 
+def _busy(share: float | None) -> bool:
+    return share is None or share > BUSY
+
+
 def retune(isa: str, library: Path, calls, threads: int) -> Tuning:
     """Measure now (``npumoe bench lut`` does, on what should be a quiet machine), cache and set the result."""
     tuning = measure(calls, threads)
@@ -108,11 +124,14 @@ def retune(isa: str, library: Path, calls, threads: int) -> Tuning:
 
 def measure(calls, threads: int) -> Tuning:
     """The prefetch sweep, then the crossovers at the chosen distance."""
-    start = time.perf_counter()
+    before = cpu_sample()
     prefetch, ms_by_distance = measure_prefetch(calls, threads)
     calls.set_prefetch(prefetch)
     crossovers, ms_by_rows = measure_crossovers(calls, threads)
-    return Tuning(prefetch, crossovers, "measured", ms_by_distance, ms_by_rows, round(time.perf_counter() - start, 3))
+    after = cpu_sample()
+    others = others_cpu_share(before, after)
+    return Tuning(prefetch, crossovers, "measured", ms_by_distance, ms_by_rows, round(after.wall - before.wall, 3),
+                  None if others is None else round(others, 3))
 
 
 def measure_prefetch(calls, threads: int) -> tuple[int, dict[str, float]]:
@@ -227,8 +246,9 @@ def _read(path: Path) -> Tuning | None:
     try:
         data = json.loads(path.read_text())
         crossovers = Crossovers(**data["crossovers"])
+        others = data.get("others_cpu")  # absent: cached before it was recorded, so unknown
         tuning = Tuning(int(data["prefetch"]), crossovers, "cached", dict(data["ms_by_distance"]),
-                        dict(data["ms_by_rows"]), float(data["seconds"]))
+                        dict(data["ms_by_rows"]), float(data["seconds"]), None if others is None else float(others))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # absent, damaged or from before the crossovers: measured again
     valid = all(c is None or (isinstance(c, int) and c > 0) for c in (crossovers.int8, crossovers.dequant))

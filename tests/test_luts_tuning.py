@@ -3,6 +3,8 @@ no result, the sweep's fastest distance is the one set, the crossovers follow th
 all cached per build and CPU, measured again when the CPU or the cache changes, and set by hand through
 NPUMOE_LUT_PREFETCH and NPUMOE_LUT_CROSSOVERS."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -19,6 +21,7 @@ def small_sweep(monkeypatch, tmp_path):
     monkeypatch.setattr(tuning, "MAX_SWEEP_BYTES", 8 << 20)
     monkeypatch.delenv("NPUMOE_LUT_PREFETCH", raising=False)
     monkeypatch.delenv("NPUMOE_LUT_CROSSOVERS", raising=False)
+    monkeypatch.setattr(tuning, "others_cpu_share_now", lambda: None)  # as if busy: a cached choice is kept
     return tmp_path / "lut-avx2-0123456789abcdef.so"
 
 
@@ -110,6 +113,52 @@ def test_the_crossovers_are_where_the_measured_times_cross(small_sweep):
     assert chosen.crossovers.dequant == (None if dequant is None else 2 * dequant)
     if "int8 gemm int4" in times:  # builds with byte dot products
         assert chosen.crossovers.int8 == tuning.first_win(times["lut-gemv int4"], times["int8 gemm int4"])
+
+
+@pytest.mark.skipif(not PREFETCHING, reason="this CPU runs only the portable kernel, which prefetches nothing")
+def test_a_choice_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(small_sweep, monkeypatch):
+    """Each measurement records the share of the CPU others used meanwhile (from the machine's own counters); a cached
+    choice taken under load, or from before the share was recorded, is re-measured by the first process that finds
+    the machine quiet, and kept while it stays busy."""
+    calls = kernels.kernels(PREFETCHING[0]).calls
+    chosen = tuning.tune("avx2", small_sweep, calls, threads=1)
+    assert chosen.others_cpu is None or 0 <= chosen.others_cpu <= 1
+    (entry,) = small_sweep.parent.glob("tuning-avx2-*.json")
+    loaded = json.loads(entry.read_text()) | {"prefetch": 4096, "others_cpu": 0.6}
+    entry.write_text(json.dumps(loaded))
+
+    monkeypatch.setattr(tuning, "others_cpu_share_now", lambda: 0.9)
+    monkeypatch.setattr(tuning, "measure", lambda *a: pytest.fail("measured on a busy machine"))
+    kept = tuning.tune("avx2", small_sweep, calls, threads=1)
+    assert (kept.source, kept.prefetch, kept.provisional) == ("cached", 4096, True)
+
+    quiet = tuning.Tuning(24576, tuning.Crossovers(8, None), "measured", {}, {}, 0.1, 0.02)
+    monkeypatch.setattr(tuning, "others_cpu_share_now", lambda: 0.05)
+    monkeypatch.setattr(tuning, "measure", lambda *a: quiet)
+    assert tuning.tune("avx2", small_sweep, calls, threads=1) == quiet
+    assert json.loads(entry.read_text())["others_cpu"] == 0.02
+
+    monkeypatch.setattr(tuning, "measure", lambda *a: pytest.fail("measured again although quiet when cached"))
+    again = tuning.tune("avx2", small_sweep, calls, threads=1)
+    assert (again.source, again.prefetch, again.provisional) == ("cached", 24576, False)
+    del loaded["others_cpu"]  # a cache written before the share was recorded
+    entry.write_text(json.dumps(loaded))
+    monkeypatch.setattr(tuning, "measure", lambda *a: quiet)
+    assert tuning.tune("avx2", small_sweep, calls, threads=1).source == "measured"
+    calls.set_prefetch(12288)
+
+
+def test_the_share_of_the_cpu_others_used_counts_their_time_not_ours(monkeypatch):
+    """Between two samples: the machine's busy seconds less this process's own, over wall time × CPUs."""
+    from npumoe.core.base import machine
+
+    monkeypatch.setattr(machine.os, "cpu_count", lambda: 2)
+    before = machine.CpuSample(wall=10.0, busy=100.0, own=5.0)
+    assert machine.others_cpu_share(before, machine.CpuSample(11.0, 101.0, 6.0)) == 0  # all ours
+    assert machine.others_cpu_share(before, machine.CpuSample(11.0, 102.0, 6.0)) == 0.5  # one core theirs
+    assert machine.others_cpu_share(before, machine.CpuSample(11.0, None, 6.0)) is None
+    busy = machine.cpu_sample()
+    assert busy.busy is None or busy.busy > 0
 
 
 def test_first_win_is_where_the_challenger_stays_ahead():

@@ -15,6 +15,7 @@ from npumoe.core.base.progress import task
 
 def render(result: dict, console: Console) -> None:
     from npumoe.bench.lut_measure import FORMATS, PREFILL_ROWS
+    from npumoe.luts.tuning import BUSY
 
     n, k = result["shape"]
     decode = Table(title=f"Decode: LUT-GEMV {n}×{k}, group {result['group']}, {result['kernel']} "
@@ -38,8 +39,12 @@ def render(result: dict, console: Console) -> None:
                       f"{row['fp32_gemv_ms']:.2f} ms")
     chosen = result["prefetch"]
     swept = ", ".join(f"{int(d) // 1024} KB {ms:.1f} ms" for d, ms in chosen["ms_by_distance"].items())
+    others = chosen["others_cpu"]
+    contention = ("" if others is None else f"; other processes used {others:.0%} of the CPU meanwhile"
+                  + (", so a quiet process measures again" if others > BUSY else ""))
     console.print(f"prefetch distance {chosen['prefetch'] // 1024} KB, measured now in {chosen['seconds']:.1f} s with "
-                  f"the crossovers and cached for later processes (one GEMV pass a distance, best of rounds: {swept})")
+                  f"the crossovers and cached for later processes (one GEMV pass a distance, best of rounds: {swept})"
+                  + contention)
     crossing = Table(title="Prompt paths: ms a product at each row count (hot 512×1024); where each path takes over")
     crossing.add_column("path")
     rows = list(next(iter(chosen["ms_by_rows"].values()), {}))

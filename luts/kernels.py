@@ -40,6 +40,13 @@ class LutTask(ctypes.Structure):
     _fields_ = [("w", _W), ("x", _P), ("y", _P)]
 
 
+class LutRowsTask(ctypes.Structure):
+    """One product of ``npumoe_lut_gemm_i8_many`` or ``npumoe_lut_gemv_rows_many``: a prepared weight, x [m, k] and
+    y [m, row_blocks·16] fp32."""
+
+    _fields_ = [("w", _W), ("x", _P), ("y", _P), ("m", _I)]
+
+
 class Matrix(ctypes.Structure):
     """One matrix of the fused decode calls: a prepared packed weight, or a bf16 or fp32 [n, k] one by address (the
     other fields NULL)."""
@@ -103,6 +110,8 @@ _SIGNATURES = {
     "npumoe_bf16_gemm_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
     "npumoe_bf16_dot_gemm_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
     "npumoe_lut_gemv_many": ([ctypes.POINTER(LutTask), _I, _I, _I], ctypes.c_int),
+    "npumoe_lut_gemm_i8_many": ([ctypes.POINTER(LutRowsTask), _I, _I], ctypes.c_int),
+    "npumoe_lut_gemv_rows_many": ([ctypes.POINTER(LutRowsTask), _I, _I], ctypes.c_int),
     "npumoe_lut_set_prefetch": ([_I], ctypes.c_int),
     "npumoe_swiglu_experts": ([ctypes.POINTER(ctypes.POINTER(Swiglu)), _P, _I, _P, _P, _I], ctypes.c_int),
     "npumoe_route_softmax": ([_P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _I], None),
@@ -268,6 +277,21 @@ class NativeCalls:
             raise MemoryError("the int8 GEMM could not allocate its quantised activations")
         return status == 0
 
+    def gemm_i8_many_at(self, tasks: list[tuple], threads: int) -> bool:
+        """Several int8 GEMMs, each (weight.native, x address, y address, rows), in one parallel job: a prompt's
+        experts sharing the threads, each result equal to its own :meth:`gemm_i8`'s. False (nothing run) where
+        this build has no int8 GEMM or a weight is not 3-4 bits."""
+        status = self.lib.npumoe_lut_gemm_i8_many(_rows_tasks(tasks), len(tasks), threads)
+        if status == -1:
+            raise MemoryError("the int8 GEMM could not allocate its quantised activations")
+        return status == 0
+
+    def gemv_rows_many_at(self, tasks: list[tuple], threads: int) -> None:
+        """Several LUT-GEMVs of a few rows each (8-bit tables), tasks as in :meth:`gemm_i8_many_at`, in one parallel
+        job, each result equal to its own :meth:`gemv`'s."""
+        if self.lib.npumoe_lut_gemv_rows_many(_rows_tasks(tasks), len(tasks), threads):
+            raise MemoryError("the LUT-GEMV could not allocate its tables")
+
     def set_prefetch(self, far_bytes: int) -> int:
         """Bytes ahead the GEMV prefetches into L2 from now on; returns the distance set (whole cache lines)."""
         return self.lib.npumoe_lut_set_prefetch(far_bytes)
@@ -326,6 +350,10 @@ class NativeCalls:
             raise BackendUnavailableError("the bf16 dot-product GEMM needs an x86-64 CPU with AVX-512 BF16.")
         if status:
             raise MemoryError("the bf16 dot-product GEMM could not allocate its rounded activations")
+
+
+def _rows_tasks(tasks: list[tuple]):
+    return (LutRowsTask * len(tasks))(*((ctypes.pointer(w), x, y, m) for w, x, y, m in tasks))
 
 
 def _check_bf16_weight(w: np.ndarray) -> None:

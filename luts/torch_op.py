@@ -239,6 +239,40 @@ def lut_linear_many(xs: list[torch.Tensor], linears: list[LutLinear]) -> list[to
     return [y if lin.bias is None else y + lin.bias for y, lin in zip(out, linears)]
 
 
+def lut_linear_rows_many(xs: list[torch.Tensor], linears: list[LutLinear],
+                         outs: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
+    """Each packed linear on its rows of activations (a prompt's experts) into ``outs`` (contiguous fp32, the caller's
+    slices of one buffer), one kernel call for all those the op would give the int8 GEMM and one for those it would
+    give the LUT-GEMV (:func:`lut_product`), none with a bias or padded rows: bit for bit what calling each computes.
+    None in the place of a pair they do not take (the caller runs that one), and None for all where they take none."""
+    run = _kernels()
+    if not hasattr(run.calls, "gemm_i8_many_at"):  # emulated kernels
+        return None
+    paths = [_rows_path(run, x, lin) for x, lin in zip(xs, linears)]
+    for path in ("int8", "gemv"):
+        tasks = [(lin.tiled().native, x.data_ptr(), out.data_ptr(), x.shape[0])
+                 for x, lin, out, p in zip(xs, linears, outs, paths) if p == path]
+        if not tasks:
+            continue
+        if path == "gemv":
+            run.calls.gemv_rows_many_at(tasks, kernel_threads())
+        elif not run.calls.gemm_i8_many_at(tasks, kernel_threads()):
+            paths = [None if p == "int8" else p for p in paths]
+    return [out if p else None for out, p in zip(outs, paths)] if any(paths) else None
+
+
+def _rows_path(run: kernels.LutKernels, x: torch.Tensor, lin: LutLinear) -> str | None:
+    """The batched call that takes these rows through this linear as :func:`lut_product` would: "int8", "gemv", or
+    None (the dequantising GEMM's rows, a bias, padded outputs, a tracer, no rows)."""
+    rows = x.shape[0]
+    if not (rows and _eager(x) and x.dtype == torch.float32 and x.is_contiguous() and lin.bias is None
+            and lin.out_features % layout.ROWS == 0):
+        return None
+    if uses_int8(rows, lin.bits, run):
+        return "int8"
+    return None if uses_gemm(rows, lin.bits, run) else "gemv"
+
+
 def _bf16_path(x: torch.Tensor, w: torch.Tensor) -> str | None:
     """Which bf16 kernel takes x · Wᵀ: "dot" (the dot-product GEMM, from BF16_DOT_FROM rows where the CPU has
     it and K is a multiple of 32), else "gemm" (the widening GEMM, from BF16_GEMM_FROM[isa] rows on SIMD builds, K

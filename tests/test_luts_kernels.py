@@ -212,6 +212,35 @@ def test_batched_gemv_equals_each_gemv_alone(lut, table_bits):
             assert np.array_equal(y[:n], lut.gemv(tiled, x[0], table_bits=table_bits, threads=threads)), packed.meta
 
 
+def test_batched_row_products_equal_each_call_alone(lut):
+    """npumoe_lut_gemv_rows_many and npumoe_lut_gemm_i8_many (a prompt's experts, a few rows each, in one parallel
+    job): every case's rows equal its own multi-row GEMV's or int8 GEMM's bit for bit, with 1 and 2 threads, where
+    two tasks read the same activations (an expert's gate and up) too; the int8 batch declines, running nothing,
+    where the single call declines (other widths, no int8 GEMM in the build)."""
+    if not hasattr(lut.calls, "gemv_rows_many_at"):
+        pytest.skip(f"{lut.isa} runs emulated, through single calls only (lut_linear_rows_many falls back to them)")
+    made = [make(case) for case in CASES]
+    made.append((made[3][0], made[3][1], made[3][2]))  # the same weight on the same rows again
+    int8 = [(packed, tiled, x) for packed, tiled, x in made if 3 <= packed.meta.bits <= 4]
+    for threads in (1, 2):
+        for batch, run, single in ((made, lut.calls.gemv_rows_many_at, lambda t, x: lut.gemv(t, x, threads=threads)),
+                                   (int8, lut.calls.gemm_i8_many_at, lambda t, x: lut.gemm_int8(t, x, threads))):
+            outputs = [np.full((x.shape[0], tiled.row_blocks * layout.ROWS), np.nan, np.float32)
+                       for _, tiled, x in batch]
+            ran = run([(tiled.native, x.ctypes.data, y.ctypes.data, x.shape[0])
+                       for (_, tiled, x), y in zip(batch, outputs)], threads)
+            for (packed, tiled, x), y in zip(batch, outputs):
+                want = single(tiled, x)
+                if ran is False:  # the int8 GEMM's batch where the build has none
+                    assert want is None and np.isnan(y).all()
+                else:
+                    assert np.array_equal(y[:, :packed.meta.shape[0]], want), packed.meta
+    two_bit = next((tiled, x) for packed, tiled, x in made if packed.meta.bits == 2)
+    y = np.zeros((two_bit[1].shape[0], two_bit[0].row_blocks * layout.ROWS), np.float32)
+    assert lut.calls.gemm_i8_many_at([(two_bit[0].native, two_bit[1].ctypes.data, y.ctypes.data,
+                                       two_bit[1].shape[0])], 1) is False and not y.any()
+
+
 def test_concurrent_callers_with_different_thread_counts_get_exact_results():
     from concurrent.futures import ThreadPoolExecutor
 

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 import npumoe
 from npumoe.cli import main
 from npumoe.core.base.errors import BackendUnavailableError, InputError, UnsupportedModelError, WeightError
+from npumoe.core.compiler import interpreter
 from npumoe.core.ir.weights import Weights, weight_shape
 from npumoe.luts import kernels, layout, spec, torch_op
 from npumoe.luts.torch_op import LutLinear
@@ -85,7 +86,14 @@ def test_engine_runs_experts_through_lut_linear_close_to_dequantised_fp32(quanti
         errors.append(nmse(y.numpy(), torch.nn.functional.linear(x, model.weights[names[id(self)]]).numpy()))
         return y
 
+    def checked_together(xs, ws, outs):  # a prompt's experts, batched: each product the same way
+        batched(xs, ws, outs)
+        for x, w, out in zip(xs, ws, outs):
+            errors.append(nmse(out.numpy(), torch.nn.functional.linear(x, model.weights[names[id(w)]]).numpy()))
+
+    batched = interpreter._packed_linears_into
     monkeypatch.setattr(LutLinear, "forward", checked)
+    monkeypatch.setattr(interpreter, "_packed_linears_into", checked_together)
     logits = npumoe.Engine(model, chunk=8).forward(ids)
     assert errors and max(errors) <= 2e-4
     assert nmse(logits, expected) <= 2e-3  # six int8-table matmuls per token, compounded over two layers

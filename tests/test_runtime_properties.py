@@ -306,6 +306,52 @@ def test_a_prompts_experts_in_one_pass_equal_each_run_alone():
     assert TorchGraphExecutor.prompt_many([fp32], x[:2], [2]) is None
 
 
+@pytest.mark.parametrize("bits", [4, 2])
+def test_a_prompts_packed_experts_in_one_pass_equal_each_run_alone(bits, tmp_path, monkeypatch):
+    """prompt_many on packed SwiGLU experts (npumoe quantize): every expert's products that the op would give the
+    int8 GEMM in one kernel call, those it would give the LUT-GEMV in another, per product kind (gate and up, then
+    down) — each expert's rows exactly what running its graph gives, which calls every linear on its own."""
+    import npumoe
+    from npumoe.luts import torch_op
+    from npumoe.models.checkpoints.quantize import quantize_checkpoint
+    from npumoe.models.loader import DEMO_DIR
+
+    quantize_checkpoint(DEMO_DIR, tmp_path / "q", bits=bits, group=64)
+    model = npumoe.load(tmp_path / "q")
+    layer = model.spec.moe_layers[0]
+    executors = [TorchGraphExecutor(experts_graph(model.spec, layer, (e,), (1,), f"e{e}"), model.weights)
+                 for e in range(4)]
+    counts = [1, 5, 20, 3]  # below and above the int8 GEMM's rows (tests fix the crossovers at the defaults)
+    torch.manual_seed(0)
+    x = torch.randn(sum(counts), model.spec.hidden_size)
+    calls = torch_op._kernels().calls
+    if not hasattr(calls, "gemv_rows_many_at"):
+        pytest.skip(f"the {torch_op._kernels().isa} kernels run emulated, one call at a time")
+    batches = []
+    for name in ("gemv_rows_many_at", "gemm_i8_many_at"):
+        original = getattr(calls, name)
+        def spied(tasks, threads, run=original, name=name):
+            if (ran := run(tasks, threads)) is not False:  # (the int8 batch declines where the build has no int8 GEMM)
+                batches.append((name, len(tasks)))
+            return ran
+
+        monkeypatch.setattr(calls, name, spied)
+    got = TorchGraphExecutor.prompt_many(executors, x, counts)
+    monkeypatch.undo()
+    want = torch.cat([run({"x": part})["y"] for run, part in zip(executors, torch.split(x, counts))])
+    assert torch.equal(got, want)
+    int8 = calls.gemm_i8_many_at([], 1)  # does the build have one?
+
+    def path(rows):  # lut_product's choice
+        if int8 and torch_op.uses_int8(rows, bits):
+            return "gemm_i8_many_at"
+        return None if torch_op.uses_gemm(rows, bits) else "gemv_rows_many_at"
+
+    expected = [(name, per_expert * sum(path(rows) == name for rows in counts)) for per_expert in (2, 1)
+                for name in ("gemm_i8_many_at", "gemv_rows_many_at")]
+    assert batches == [(name, n) for name, n in expected if n]
+
+
 def test_packed_experts_side_by_side_equal_each_linear_called_alone(tmp_path, monkeypatch):
     """A decode step's packed experts (npumoe quantize) run side by side, their LUT-GEMVs batched into one
     kernel call per step, give exactly what calling every linear on its own gives."""

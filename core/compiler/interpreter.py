@@ -15,7 +15,15 @@ import torch.nn.functional as F
 from npumoe.core.ir.backend import check_feed
 from npumoe.core.ir.graph import WEIGHT_PREFIX, Graph, Op, Role
 from npumoe.luts.decode import swiglu_expert, swiglu_experts
-from npumoe.luts.torch_op import bf16_linear, bf16_linear_many, held_threads, lut_linear_many, on_held_threads
+from npumoe.luts.torch_op import (
+    LutLinear,
+    bf16_linear,
+    bf16_linear_many,
+    held_threads,
+    lut_linear_many,
+    lut_linear_rows_many,
+    on_held_threads,
+)
 
 
 def _rmsnorm(x, w, *, eps):
@@ -283,15 +291,16 @@ class TorchGraphExecutor:
 
     @staticmethod
     def prompt_many(executors: list[TorchGraphExecutor], x: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
-        """Expert i's ``counts[i]`` consecutive rows of x through expert i, for a prompt's experts of bf16 SwiGLU
-        matrices of one shape (:func:`_bf16_swiglu_prompt`): their outputs' rows in x's order; None where that does
-        not apply (the caller then runs each graph)."""
+        """Expert i's ``counts[i]`` consecutive rows of x through expert i, for a prompt's experts of SwiGLU matrices of
+        one kind (bf16, or packed) and shape (:func:`_swiglu_prompt`): their outputs' rows in x's order; None where
+        that does not apply (the caller then runs each graph)."""
         matrices = [e.swiglu_matrices for e in executors]
-        bf16 = all(m is not None and all(isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 for w in m)
-                   for m in matrices)
-        if not bf16 or len({tuple(w.shape for w in m) for m in matrices}) != 1:  # (no executors: no shape)
+        kinds = {None if m is None else tuple(_batched_kind(w) for w in m) for m in matrices}
+        into = {("bf16",) * 3: _linears_into, ("packed",) * 3: _packed_linears_into}.get(kinds.pop()) \
+            if len(kinds) == 1 else None  # (no executors: no kind)
+        if into is None or len({tuple(_out_in(w) for w in m) for m in matrices}) != 1:
             return None
-        return _bf16_swiglu_prompt(matrices, x, counts)
+        return _swiglu_prompt(matrices, x, counts, into)
 
     @staticmethod
     def combine_many(executors: list[TorchGraphExecutor], x: torch.Tensor, weights: torch.Tensor):
@@ -319,23 +328,35 @@ def _swiglu_matrices(graph: Graph, steps: list) -> tuple | None:
     return g_args[1], u_args[1], d_args[1]
 
 
-def _bf16_swiglu_prompt(matrices: list[tuple], x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Each expert's rows of x (consecutive, ``counts`` of them each) through its bf16 SwiGLU matrices, into one
-    [rows, out] tensor: every expert's gate and up products written into two buffers by one batched kernel call,
-    silu and the product over those whole buffers, then the down products by another, where stepping each expert's
-    graph took four torch calls per expert. The same kernels (or, for a product they do not take, the same
-    :func:`_linear`) and elementwise ops on the same rows, so the same values."""
+def _batched_kind(w) -> str | None:
+    """A SwiGLU matrix the batched prompt calls take: "bf16" (a tensor), "packed" (:class:`LutLinear`), else None."""
+    if isinstance(w, LutLinear):
+        return "packed" if w.bias is None else None
+    return "bf16" if isinstance(w, torch.Tensor) and w.dtype == torch.bfloat16 else None
+
+
+def _out_in(w) -> tuple[int, int]:
+    return (w.out_features, w.in_features) if isinstance(w, LutLinear) else tuple(w.shape)
+
+
+def _swiglu_prompt(matrices: list[tuple], x: torch.Tensor, counts: list[int], linears_into) -> torch.Tensor:
+    """Each expert's rows of x (consecutive, ``counts`` of them each) through its SwiGLU matrices, into one
+    [rows, out] tensor: every expert's gate and up products written into two buffers by one batched kernel call
+    (``linears_into``), silu and the product over those whole buffers, then the down products by another, where
+    stepping each expert's graph took four torch calls and two kernel calls per expert, each split over the threads on
+    its own. The same kernels (or, for a product they do not take, the same single call) and elementwise ops on the
+    same rows, so the same values."""
     gates, ups, downs = zip(*matrices)
     rows = x.shape[0]
-    g, u, h = (torch.empty(rows, gates[0].shape[0]) for _ in range(3))
-    y = torch.empty(rows, downs[0].shape[0])
+    g, u, h = (torch.empty(rows, _out_in(gates[0])[0]) for _ in range(3))
+    y = torch.empty(rows, _out_in(downs[0])[0])
     xs, hs = torch.split(x, counts), torch.split(h, counts)
     # each expert's gate and up side by side: its rows of x are still in cache for the second
     gs, us = torch.split(g, counts), torch.split(u, counts)
     pairs = [(part, w, out) for part, gw, uw, go, uo in zip(xs, gates, ups, gs, us) for w, out in ((gw, go), (uw, uo))]
-    _linears_into(*(list(column) for column in zip(*pairs)))
+    linears_into(*(list(column) for column in zip(*pairs)))
     torch.mul(F.silu(g), u, out=h)
-    _linears_into(list(hs), list(downs), list(torch.split(y, counts)))
+    linears_into(list(hs), list(downs), list(torch.split(y, counts)))
     return y
 
 
@@ -345,6 +366,15 @@ def _linears_into(xs: list[torch.Tensor], ws: list[torch.Tensor], outs: list[tor
     for x, w, out, y in zip(xs, ws, outs, done):
         if y is None:
             out.copy_(_linear(x, w))
+
+
+def _packed_linears_into(xs: list[torch.Tensor], ws: list[LutLinear], outs: list[torch.Tensor]) -> None:
+    """outs[i] = xs[i] · ws[i]ᵀ for packed matrices: one batched int8 GEMM call, each op's own call for what it does
+    not take (few rows, other widths)."""
+    done = lut_linear_rows_many(xs, ws, outs) or [None] * len(xs)
+    for x, w, out, y in zip(xs, ws, outs, done):
+        if y is None and x.shape[0]:
+            out.copy_(w(x))
 
 
 def _batchable(step) -> bool:

@@ -411,6 +411,194 @@ NPUMOE_API int npumoe_lut_gemm_i8(const lut_weight *w, const float *x, int m, fl
     return 0;
 }
 
+/* Several LUT-GEMVs of a few rows each (a prompt's experts below the int8 GEMM's rows, or at 1-2 bits) in two
+ * parallel jobs: every row's 8-bit tables (an expert's gate and up share theirs), then every matrix's row blocks as one
+ * run, each through the path npumoe_lut_gemv takes for its rows, so each result is that call's, bit for bit. */
+typedef struct {
+    const npumoe_lut_rows_task *task;
+    lut_tables *tables; /* [m] */
+    char *blocks;       /* their storage, table_bytes(w, 8) a row */
+} gemv_rows_job;
+
+static void tables_span(void *ctx, int t, int r0, int r1) {
+    const gemv_rows_job *job = (const gemv_rows_job *)ctx + t;
+    const lut_weight *w = job->task->w;
+    for (int r = r0; r < r1; r++)
+        job->tables[r] = prepared_tables(w, job->task->x + (size_t)r * w->k, 8, job->blocks + table_bytes(w, 8) * r);
+}
+
+static void gemv_rows_span(void *ctx, int t, int rb0, int rb1) {
+    const gemv_rows_job *job = (const gemv_rows_job *)ctx + t;
+    const npumoe_lut_rows_task *task = job->task;
+    const size_t outputs = (size_t)task->w->row_blocks * LUT_ROWS;
+    if (task->m > 1 && ISA.gemv8_multi) {
+        gemv_multi_job multi = {task->w, job->tables, task->y, task->m};
+        gemv_multi_range(&multi, rb0, rb1);
+    } else {
+        for (int r = 0; r < task->m; r++) ISA.gemv8(task->w, &job->tables[r], rb0, rb1, task->y + r * outputs, NULL);
+    }
+}
+
+/* An earlier task of these with task t's very activations, width, grouping and zero-point form (its tables), or -1. */
+static int same_tables(const npumoe_lut_rows_task *tasks, int t) {
+    for (int u = 0; u < t; u++)
+        if (tasks[u].x == tasks[t].x && tasks[u].m == tasks[t].m && tasks[u].w->k == tasks[t].w->k &&
+            tasks[u].w->group == tasks[t].w->group && tasks[u].w->bits == tasks[t].w->bits &&
+            !tasks[u].w->zeros == !tasks[t].w->zeros)
+            return u;
+    return -1;
+}
+
+static int gemv_rows_together(const npumoe_lut_rows_task *tasks, int count, size_t bytes, int threads) {
+    size_t rows = 0;
+    for (int t = 0; t < count; t++) rows += tasks[t].m;
+    char *scratch = malloc(bytes + 1);
+    lut_tables *tables = malloc(sizeof(lut_tables) * (rows + 1));
+    gemv_rows_job *jobs = malloc(sizeof(gemv_rows_job) * (count + 1));
+    int *first_x = malloc(sizeof(int) * (count + 1)), *first_w = malloc(sizeof(int) * (count + 1));
+    if (!scratch || !tables || !jobs || !first_x || !first_w) {
+        free(scratch), free(tables), free(jobs), free(first_x), free(first_w);
+        return -1;
+    }
+    size_t x_bytes = 0, weight_bytes = 0;
+    char *at = scratch;
+    lut_tables *next = tables;
+    first_x[0] = first_w[0] = 0;
+    for (int t = 0; t < count; t++) {
+        const npumoe_lut_rows_task *task = &tasks[t];
+        const int same = same_tables(tasks, t);
+        if (same >= 0) {
+            jobs[t] = jobs[same], jobs[t].task = task;
+        } else {
+            jobs[t] = (gemv_rows_job){task, next, at};
+            next += task->m, at += table_bytes(task->w, 8) * task->m;
+            x_bytes += (size_t)task->m * task->w->k * sizeof(float);
+        }
+        first_x[t + 1] = first_x[t] + (same < 0 ? task->m : 0);
+        first_w[t + 1] = first_w[t] + task->w->row_blocks;
+        weight_bytes += (size_t)task->w->row_blocks * row_block_bytes(task->w) * task->m;
+    }
+    lut_parallel_tasks(tables_span, jobs, first_x, count, x_bytes, threads);
+    lut_parallel_tasks(gemv_rows_span, jobs, first_w, count, weight_bytes, threads);
+    free(scratch), free(tables), free(jobs), free(first_x), free(first_w);
+    return 0;
+}
+
+/* Tables held at once (at least one task's): 4 bytes an input a row. */
+#define TABLES_MANY_BYTES (64u << 20)
+
+/* For each task, npumoe_lut_gemv with 8-bit tables: y [m][row_blocks*16] = x [m][k] · Wᵀ, all in one parallel job per
+ * TABLES_MANY_BYTES of tables. Returns -1 if it cannot allocate. */
+NPUMOE_API int npumoe_lut_gemv_rows_many(const npumoe_lut_rows_task *tasks, int count, int threads) {
+    for (int first = 0, end; first < count; first = end) {
+        size_t bytes = 0;
+        for (end = first; end < count; end++) {
+            const size_t more =
+                same_tables(tasks + first, end - first) < 0 ? table_bytes(tasks[end].w, 8) * tasks[end].m : 0;
+            if (end > first && bytes + more > TABLES_MANY_BYTES) break;
+            bytes += more;
+        }
+        if (gemv_rows_together(tasks + first, end - first, bytes, threads)) return -1;
+    }
+    return 0;
+}
+
+/* Several int8 GEMMs (a prompt's experts, a few rows each) in two parallel jobs: every distinct x quantised to int8
+ * (an expert's gate and up share theirs), then every matrix's row blocks as one run. Called one by one, each small
+ * product is split over the threads, which wake and meet again for it; here they share the experts. Each result is
+ * npumoe_lut_gemm_i8's for its task, bit for bit. */
+typedef struct {
+    const npumoe_lut_rows_task *task;
+    int8_t *xq;
+    float *xs;
+    int32_t *xsum;
+} gemm_i8_many_job;
+
+static void int8_rows_span(void *ctx, int t, int r0, int r1) {
+    const gemm_i8_many_job *job = (const gemm_i8_many_job *)ctx + t;
+    const lut_weight *w = job->task->w;
+    const int k = w->k, groups = k / w->group;
+    ISA.int8_rows(job->task->x + (size_t)r0 * k, r1 - r0, k, w->group, job->xq + (size_t)r0 * k,
+                  job->xs + (size_t)r0 * groups, job->xsum + (size_t)r0 * groups);
+}
+
+static void gemm_i8_span(void *ctx, int t, int rb0, int rb1) {
+    const gemm_i8_many_job *job = (const gemm_i8_many_job *)ctx + t;
+    const npumoe_lut_rows_task *task = job->task;
+    ISA.gemm_i8(task->w, job->xq, job->xs, job->xsum, task->m, rb0, rb1, task->y, task->w->row_blocks * LUT_ROWS);
+}
+
+/* An earlier task of these with task t's very activations, width and grouping, or -1. */
+static int same_rows(const npumoe_lut_rows_task *tasks, int t) {
+    for (int u = 0; u < t; u++)
+        if (tasks[u].x == tasks[t].x && tasks[u].m == tasks[t].m && tasks[u].w->k == tasks[t].w->k &&
+            tasks[u].w->group == tasks[t].w->group)
+            return u;
+    return -1;
+}
+
+/* A task's quantised activations: int8 codes, then each group's scale and sum. */
+static size_t int8_rows_bytes(const npumoe_lut_rows_task *task) {
+    const size_t groups = (size_t)task->m * (task->w->k / task->w->group);
+    return (size_t)task->m * task->w->k + groups * (sizeof(float) + sizeof(int32_t));
+}
+
+static int gemm_i8_together(const npumoe_lut_rows_task *tasks, int count, size_t bytes, int threads) {
+    char *scratch = malloc(bytes + 1);
+    gemm_i8_many_job *jobs = malloc(sizeof(gemm_i8_many_job) * (count + 1));
+    int *first_x = malloc(sizeof(int) * (count + 1)), *first_w = malloc(sizeof(int) * (count + 1));
+    if (!scratch || !jobs || !first_x || !first_w) {
+        free(scratch), free(jobs), free(first_x), free(first_w);
+        return -1;
+    }
+    size_t x_bytes = 0, weight_bytes = 0;
+    char *at = scratch;
+    first_x[0] = first_w[0] = 0;
+    for (int t = 0; t < count; t++) {
+        const npumoe_lut_rows_task *task = &tasks[t];
+        const int same = same_rows(tasks, t);
+        if (same >= 0) {
+            jobs[t] = jobs[same], jobs[t].task = task;
+        } else {
+            const size_t codes = (size_t)task->m * task->w->k, groups = (size_t)task->m * (task->w->k / task->w->group);
+            float *xs = (float *)(at + (codes + 3) / 4 * 4); /* (int8 codes first; the groups' arrays 4-byte aligned) */
+            jobs[t] = (gemm_i8_many_job){task, (int8_t *)at, xs, (int32_t *)(xs + groups)};
+            at = (char *)(jobs[t].xsum + groups);
+            x_bytes += (size_t)task->m * task->w->k * sizeof(float);
+        }
+        first_x[t + 1] = first_x[t] + (same < 0 ? task->m : 0);
+        first_w[t + 1] = first_w[t] + task->w->row_blocks;
+        weight_bytes += (size_t)task->w->row_blocks * row_block_bytes(task->w);
+    }
+    lut_parallel_tasks(int8_rows_span, jobs, first_x, count, x_bytes, threads);
+    lut_parallel_tasks(gemm_i8_span, jobs, first_w, count, weight_bytes, threads);
+    free(scratch), free(jobs), free(first_x), free(first_w);
+    return 0;
+}
+
+/* Quantised activations held at once (at least one task's): a long prompt's experts would otherwise hold an int8 copy
+ * of all their inputs. */
+#define I8_MANY_BYTES (64u << 20)
+
+/* For each task, npumoe_lut_gemm_i8 (y = x · Wᵀ with x quantised to int8 per group, 3-4-bit W), all in one parallel
+ * job per I8_MANY_BYTES of quantised activations. Returns -2 where this build or CPU has no int8 GEMM or a W is not
+ * 3-4 bits (nothing run), -1 if it cannot allocate. */
+NPUMOE_API int npumoe_lut_gemm_i8_many(const npumoe_lut_rows_task *tasks, int count, int threads) {
+    if (!ISA.gemm_i8 || !int8_dots_usable()) return -2;
+    for (int t = 0; t < count; t++)
+        if (tasks[t].w->bits < 3 || tasks[t].w->bits > 4) return -2;
+    for (int first = 0, end; first < count; first = end) {
+        size_t bytes = 0;
+        for (end = first; end < count; end++) {
+            const size_t more = same_rows(tasks + first, end - first) < 0 ? int8_rows_bytes(&tasks[end]) + 8 : 0;
+            if (end > first && bytes + more > I8_MANY_BYTES) break;
+            bytes += more;
+        }
+        if (gemm_i8_together(tasks + first, end - first, bytes, threads)) return -1;
+    }
+    return 0;
+}
+
 typedef struct {
     const uint64_t *words;
     size_t count, prefetch_words;

@@ -108,6 +108,15 @@ typedef struct {
 NPUMOE_API int npumoe_lut_set_prefetch(int far_bytes);
 NPUMOE_API int npumoe_lut_gemv_many(const npumoe_lut_task *tasks, int count, int table_bits, int threads);
 
+typedef struct { /* y [m][row_blocks*16] = x [m][k] · Wᵀ */
+    const lut_weight *w;
+    const float *x;
+    float *y;
+    int m;
+} npumoe_lut_rows_task;
+NPUMOE_API int npumoe_lut_gemm_i8_many(const npumoe_lut_rows_task *tasks, int count, int threads);
+NPUMOE_API int npumoe_lut_gemv_rows_many(const npumoe_lut_rows_task *tasks, int count, int threads);
+
 typedef struct { /* W [n][k] bf16, x [m][k] and y [m][n] fp32, all row-major */
     const uint16_t *w;
     const float *x;

@@ -221,15 +221,17 @@ def bf16_linear_many(xs: list[torch.Tensor], ws: list[torch.Tensor],
     return ys
 
 
-def lut_linear_many(xs: list[torch.Tensor], linears: list[LutLinear]) -> list[torch.Tensor] | None:
-    """Each packed linear on its one-row activations in one kernel call (a decode step's experts, or q, k
-    and v): bit for bit what calling each computes. None where it does not apply: more than one row, a
-    tracer, kernels run emulated."""
+def lut_linear_many(xs: list[torch.Tensor], linears: list[LutLinear]) -> list[torch.Tensor | None] | None:
+    """Each packed linear on its activations in as few kernel calls as take them (q, k and v; gate and up; a decode
+    step's experts): one-row activations in one LUT-GEMV call, a prompt's rows through :func:`lut_linear_rows_many`;
+    bit for bit what calling each computes. None where it does not apply (a tracer, kernels run emulated), and None
+    in the place of a linear the prompt's calls do not take (the caller runs that one)."""
     calls = _kernels().calls
     if not hasattr(calls, "lut_gemv_many_at") or not all(
-            _eager(x) and x.dtype == torch.float32 and x.numel() == x.shape[-1] == lin.in_features
-            for x, lin in zip(xs, linears)):
+            _eager(x) and x.dtype == torch.float32 and x.shape[-1] == lin.in_features for x, lin in zip(xs, linears)):
         return None
+    if any(x.numel() != x.shape[-1] for x in xs):
+        return _prompt_linears(xs, linears)
     xs = [x.contiguous() for x in xs]
     weights = [lin.tiled() for lin in linears]
     ys = [torch.empty(w.row_blocks * layout.ROWS) for w in weights]
@@ -237,6 +239,13 @@ def lut_linear_many(xs: list[torch.Tensor], linears: list[LutLinear]) -> list[to
                            kernel_threads())
     out = [y[: lin.out_features].reshape(*x.shape[:-1], lin.out_features) for x, y, lin in zip(xs, ys, linears)]
     return [y if lin.bias is None else y + lin.bias for y, lin in zip(out, linears)]
+
+
+def _prompt_linears(xs: list[torch.Tensor], linears: list[LutLinear]) -> list[torch.Tensor | None] | None:
+    rows = [x.reshape(-1, x.shape[-1]).contiguous() for x in xs]  # (views: linears reading one x share it)
+    ys = lut_linear_rows_many(rows, linears, [torch.empty(r.shape[0], lin.out_features) for r, lin in zip(rows, linears)])
+    return ys and [None if y is None else y.reshape(*x.shape[:-1], lin.out_features)
+                   for x, y, lin in zip(xs, ys, linears)]
 
 
 def lut_linear_rows_many(xs: list[torch.Tensor], linears: list[LutLinear],

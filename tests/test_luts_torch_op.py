@@ -209,8 +209,9 @@ def test_bf16_gemms_past_the_transposition_budget_run_in_groups():
 
 def test_packed_linears_batched_in_one_call_equal_each_alone():
     """Several one-row packed linears (other shapes, bits, symmetric or not, with a bias) in one kernel call
-    give what each call alone gives, bit for bit, and the spec's LUT-GEMV within float rounding; a batch
-    with a two-row activation goes back to the caller (None)."""
+    give what each call alone gives, bit for bit, and the spec's LUT-GEMV within float rounding; a prompt's rows go
+    through the batched row calls, each linear they take bit for bit its own call's, and those they do not take (a
+    bias, outputs off the 16-row blocks) back to the caller (None)."""
     from npumoe.luts.torch_op import LutLinear, lut_linear_many
 
     rng = np.random.default_rng(4)
@@ -224,7 +225,18 @@ def test_packed_linears_batched_in_one_call_equal_each_alone():
         assert torch.equal(y, lin(x))
         want = spec.lut_gemv(p, x[0].numpy()) + (0 if lin.bias is None else lin.bias.numpy())
         np.testing.assert_allclose(y[0].numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
-    assert lut_linear_many([*xs[:-1], torch.randn(2, 96)], linears) is None
+    prompt = [LutLinear(spec.quantize_pack(rng.standard_normal((n, k)).astype(np.float32), b, 32))
+              for n, k, b in [(64, 128, 4), (32, 256, 2), (48, 96, 3), (64, 128, 4)]] + linears[:1]
+    rows = [torch.randn(r, lin.in_features) for r, lin in zip((2, 9, 12, 1, 5), prompt)]
+    rows[3] = rows[0][:1]  # (one row among a prompt's: the GEMV's single-row path)
+    batched = lut_linear_many(rows, prompt)
+    run = torch_op._kernels()
+    int8 = run.calls.gemm_i8_many_at([], 1)  # (a build without the int8 GEMM leaves its rows to the caller)
+    for x, lin, y in zip(rows, prompt, batched):
+        path = torch_op._rows_path(run, x, lin)  # None for 70 outputs: not whole 16-row blocks
+        assert (y is not None) == (path == "gemv" or path == "int8" and int8), (x.shape, lin)
+        assert y is None or torch.equal(y, lin(x))
+    assert batched[-1] is None and batched[1] is not None
 
 
 def test_a_prompts_attention_splits_its_queries_across_the_held_threads():

@@ -4,4 +4,6 @@ source "$(dirname "$0")/lib.sh"
 ensure_torch
 ensure_apt_packages
 "$PY" -m pip install --quiet -e ".[test]"
-"$PY" -m pytest -q --durations=15 "$@"  # the slowest tests listed: the suite is kept under 15 min
+# one worker per core (at most 4), each test file whole on one worker (its module fixtures built once); the slowest
+# tests listed: the suite is kept under 15 min on 2 cores
+"$PY" -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=15 "$@"

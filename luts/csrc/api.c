@@ -309,10 +309,33 @@ static int same_x(const npumoe_bf16_task *tasks, int t) {
 static int xtb_blocks(const npumoe_bf16_task *task) { return (BF16_BLOCK_ROWS(task->m) + 15) / 16; }
 static size_t xtb_floats(const npumoe_bf16_task *task) { return (size_t)xtb_blocks(task) * 16 * task->k; }
 
+/* Scratch task t of a batch adds to it (0 where it shares an earlier task's), in the batch's own unit. */
+typedef size_t (*added_scratch_fn)(const void *batch, int t);
+/* Runs a batch of count tasks given the scratch they need; -1 if it cannot allocate. */
+typedef int (*batch_fn)(const void *batch, int count, size_t scratch, int threads);
+
+/* The tasks in consecutive batches, each as many as fit in `budget` of scratch (at least one task): a long prompt's
+ * experts would otherwise hold a prepared copy of all their inputs at once. */
+static int in_batches(const void *tasks, size_t task_size, int count, size_t budget, added_scratch_fn added,
+                      batch_fn run, int threads) {
+    for (int first = 0, end; first < count; first = end) {
+        const char *batch = (const char *)tasks + task_size * first;
+        size_t scratch = 0;
+        for (end = first; end < count; end++) {
+            const size_t more = added(batch, end - first);
+            if (end > first && scratch + more > budget) break;
+            scratch += more;
+        }
+        if (run(batch, end - first, scratch, threads)) return -1;
+    }
+    return 0;
+}
+
 /* The tasks in two parallel jobs: every distinct x transposed (an expert's gate and up share theirs) into floats
  * of scratch, then every matrix's weight blocks, so that a prompt's experts, a few rows each, fill the threads
  * together. */
-static int bf16_gemm_together(const npumoe_bf16_task *tasks, int count, size_t floats, int threads) {
+static int bf16_gemm_together(const void *batch, int count, size_t floats, int threads) {
+    const npumoe_bf16_task *tasks = batch;
     size_t x_bytes = 0, weight_bytes = 0;
     float *xtb = malloc(sizeof(float) * (floats + 1)); /* each x transposed in blocks of 16 rows */
     bf16_gemm_job *jobs = malloc(sizeof(bf16_gemm_job) * (count + 1));
@@ -342,6 +365,11 @@ static int bf16_gemm_together(const npumoe_bf16_task *tasks, int count, size_t f
  * would otherwise hold a second copy of all their inputs (a 32k-token prompt, top-8 of 2048-wide: 2 GB). */
 #define BF16_XTB_FLOATS (16u << 20)
 
+static size_t bf16_added_floats(const void *batch, int t) {
+    const npumoe_bf16_task *tasks = batch;
+    return same_x(tasks, t) < 0 ? xtb_floats(&tasks[t]) : 0;
+}
+
 /* For each task, y [m][n] = x [m][k] · Wᵀ for W [n][k] bf16, k a multiple of 16: exact fp32 arithmetic on the
  * widened weights (a bf16 prompt where the CPU has no bf16 dot products), BF16_XTB_FLOATS of transposed inputs at a
  * time. Returns -2 where this build has no such kernel or a k is not a multiple of 16, -1 if it cannot allocate. */
@@ -349,16 +377,7 @@ NPUMOE_API int npumoe_bf16_gemm_many(const npumoe_bf16_task *tasks, int count, i
     if (!ISA.bf16_gemm) return -2;
     for (int t = 0; t < count; t++)
         if (tasks[t].k % 16) return -2;
-    for (int first = 0, end; first < count; first = end) {
-        size_t floats = 0;
-        for (end = first; end < count; end++) {
-            const size_t more = same_x(tasks + first, end - first) < 0 ? xtb_floats(&tasks[end]) : 0;
-            if (end > first && floats + more > BF16_XTB_FLOATS) break;
-            floats += more;
-        }
-        if (bf16_gemm_together(tasks + first, end - first, floats, threads)) return -1;
-    }
-    return 0;
+    return in_batches(tasks, sizeof *tasks, count, BF16_XTB_FLOATS, bf16_added_floats, bf16_gemm_together, threads);
 }
 
 NPUMOE_API int npumoe_bf16_gemm(const uint16_t *w, const float *x, int m, int n, int k, float *y, int threads) {
@@ -449,7 +468,8 @@ static int same_tables(const npumoe_lut_rows_task *tasks, int t) {
     return -1;
 }
 
-static int gemv_rows_together(const npumoe_lut_rows_task *tasks, int count, size_t bytes, int threads) {
+static int gemv_rows_together(const void *batch, int count, size_t bytes, int threads) {
+    const npumoe_lut_rows_task *tasks = batch;
     size_t rows = 0;
     for (int t = 0; t < count; t++) rows += tasks[t].m;
     char *scratch = malloc(bytes + 1);
@@ -487,20 +507,16 @@ static int gemv_rows_together(const npumoe_lut_rows_task *tasks, int count, size
 /* Tables held at once (at least one task's): 4 bytes an input a row. */
 #define TABLES_MANY_BYTES (64u << 20)
 
+static size_t tables_added_bytes(const void *batch, int t) {
+    const npumoe_lut_rows_task *tasks = batch;
+    return same_tables(tasks, t) < 0 ? table_bytes(tasks[t].w, 8) * tasks[t].m : 0;
+}
+
 /* For each task, npumoe_lut_gemv with 8-bit tables: y [m][row_blocks*16] = x [m][k] · Wᵀ, all in one parallel job per
  * TABLES_MANY_BYTES of tables. Returns -1 if it cannot allocate. */
 NPUMOE_API int npumoe_lut_gemv_rows_many(const npumoe_lut_rows_task *tasks, int count, int threads) {
-    for (int first = 0, end; first < count; first = end) {
-        size_t bytes = 0;
-        for (end = first; end < count; end++) {
-            const size_t more =
-                same_tables(tasks + first, end - first) < 0 ? table_bytes(tasks[end].w, 8) * tasks[end].m : 0;
-            if (end > first && bytes + more > TABLES_MANY_BYTES) break;
-            bytes += more;
-        }
-        if (gemv_rows_together(tasks + first, end - first, bytes, threads)) return -1;
-    }
-    return 0;
+    return in_batches(tasks, sizeof *tasks, count, TABLES_MANY_BYTES, tables_added_bytes, gemv_rows_together,
+                      threads);
 }
 
 /* Several int8 GEMMs (a prompt's experts, a few rows each) in two parallel jobs: every distinct x quantised to int8
@@ -543,7 +559,8 @@ static size_t int8_rows_bytes(const npumoe_lut_rows_task *task) {
     return (size_t)task->m * task->w->k + groups * (sizeof(float) + sizeof(int32_t));
 }
 
-static int gemm_i8_together(const npumoe_lut_rows_task *tasks, int count, size_t bytes, int threads) {
+static int gemm_i8_together(const void *batch, int count, size_t bytes, int threads) {
+    const npumoe_lut_rows_task *tasks = batch;
     char *scratch = malloc(bytes + 1);
     gemm_i8_many_job *jobs = malloc(sizeof(gemm_i8_many_job) * (count + 1));
     int *first_x = malloc(sizeof(int) * (count + 1)), *first_w = malloc(sizeof(int) * (count + 1));
@@ -580,6 +597,11 @@ static int gemm_i8_together(const npumoe_lut_rows_task *tasks, int count, size_t
  * of all their inputs. */
 #define I8_MANY_BYTES (64u << 20)
 
+static size_t int8_added_bytes(const void *batch, int t) {
+    const npumoe_lut_rows_task *tasks = batch;
+    return same_rows(tasks, t) < 0 ? int8_rows_bytes(&tasks[t]) + 8 : 0; /* (+ the alignment of its groups' arrays) */
+}
+
 /* For each task, npumoe_lut_gemm_i8 (y = x · Wᵀ with x quantised to int8 per group, 3-4-bit W), all in one parallel
  * job per I8_MANY_BYTES of quantised activations. Returns -2 where this build or CPU has no int8 GEMM or a W is not
  * 3-4 bits (nothing run), -1 if it cannot allocate. */
@@ -587,16 +609,7 @@ NPUMOE_API int npumoe_lut_gemm_i8_many(const npumoe_lut_rows_task *tasks, int co
     if (!ISA.gemm_i8 || !int8_dots_usable()) return -2;
     for (int t = 0; t < count; t++)
         if (tasks[t].w->bits < 3 || tasks[t].w->bits > 4) return -2;
-    for (int first = 0, end; first < count; first = end) {
-        size_t bytes = 0;
-        for (end = first; end < count; end++) {
-            const size_t more = same_rows(tasks + first, end - first) < 0 ? int8_rows_bytes(&tasks[end]) + 8 : 0;
-            if (end > first && bytes + more > I8_MANY_BYTES) break;
-            bytes += more;
-        }
-        if (gemm_i8_together(tasks + first, end - first, bytes, threads)) return -1;
-    }
-    return 0;
+    return in_batches(tasks, sizeof *tasks, count, I8_MANY_BYTES, int8_added_bytes, gemm_i8_together, threads);
 }
 
 typedef struct {

@@ -40,7 +40,7 @@ def free_port() -> int:
 def start_node(args: list[str], log: Path) -> subprocess.Popen:
     """One Ray node in its own process group, blocking until told to stop (so it is stopped by its id alone)."""
     return subprocess.Popen([str(RAY), "start", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
-                             "--object-store-memory", str(80 << 20), "--disable-usage-stats",
+                             "--object-store-memory", str(80 << 20), "--disable-usage-stats", "--include-log-monitor", "false",
                              "--dashboard-agent-listen-port", str(free_port()), *args],
                             stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -114,32 +114,28 @@ def lowered_here(monkeypatch):
 
 
 @needs_ray
-def test_a_cluster_build_writes_what_a_local_build_writes(model, npu_plan, cluster, lowered_here, tmp_path, capsys):
-    plan, plan_path = npu_plan
-    local = build(model, plan, "intel_npu", tmp_path / "local", progress=False)
-    lowered_here.clear()
-    out = tmp_path / "remote"
-    main(["build", "--plan", str(plan_path), "--target", "intel_npu", "--out", str(out), "--cluster", cluster,
-          "--cache", str(tmp_path / "shared-cache")])
-    remote = json.loads((out / "manifest.json").read_text())
-    assert lowered_here == []  # every unit was lowered on the cluster
-    assert remote["files"] == local["files"] and len(local["files"]) > 10  # the same files, byte for byte (sha256)
-    assert not any(g["cached"] for g in remote["graphs"].values())
-    assert f"{len(remote['graphs'])} units lowered on 2 nodes" in capsys.readouterr().out
-
-
-@needs_ray
-def test_a_killed_driver_resumes_from_the_shared_cache(model, npu_plan, cluster, lowered_here, tmp_path, monkeypatch):
+def test_a_killed_drivers_build_resumes_on_the_cluster_into_what_a_local_build_writes(
+        model, npu_plan, cluster, lowered_here, tmp_path, monkeypatch, capsys):
+    """Layers 0-1 (8 units): layer 0's lowered on the cluster by a driver that stops there, as if killed; the
+    CLI's build resumes from the shared cache, lowers layer 1's on both nodes, and writes a local build's bytes."""
     from npumoe.backends.ray_cluster import connected
 
-    plan, _ = npu_plan
-    monkeypatch.setenv("NPUMOE_BUILD_CACHE", str(tmp_path / "shared-cache"))
+    plan, plan_path = npu_plan
+    local = build(model, plan, "intel_npu", tmp_path / "local", progress=False, layers={0, 1})
+    lowered_here.clear()
+    cache = tmp_path / "shared-cache"
+    monkeypatch.setenv("NPUMOE_BUILD_CACHE", str(cache))
     with connected(cluster) as on_cluster:
         first = build(model, plan, "intel_npu", tmp_path / "layer0", progress=False, layers={0}, jobs=on_cluster)
-        whole = build(model, plan, "intel_npu", tmp_path / "whole", progress=False, jobs=on_cluster)
-    finished = {name for name, g in whole["graphs"].items() if g["cached"]}
-    assert finished == set(first["graphs"]) and 0 < len(finished) < len(whole["graphs"])
-    assert lowered_here == [] and sum(on_cluster.nodes_used.values()) == len(whole["graphs"])
+    out = tmp_path / "remote"
+    main(["build", "--plan", str(plan_path), "--target", "intel_npu", "--out", str(out), "--layers", "0-1",
+          "--cluster", cluster, "--cache", str(cache)])
+    remote = json.loads((out / "manifest.json").read_text())
+    assert lowered_here == [] and sum(on_cluster.nodes_used.values()) == len(first["graphs"])  # all on the cluster
+    assert remote["files"] == local["files"] and len(local["files"]) == 16  # the same files, byte for byte (sha256)
+    resumed = {name for name, g in remote["graphs"].items() if g["cached"]}
+    assert resumed == set(first["graphs"]) and len(resumed) == 4
+    assert f"{len(remote['graphs']) - 4} units lowered on 2 nodes" in capsys.readouterr().out
 
 
 def lower_toy(attempts: Path, then, unit_dir: Path) -> dict:

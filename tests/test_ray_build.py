@@ -4,13 +4,8 @@ bad address, cache or missing Ray is one line."""
 
 import json
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 import types
 from pathlib import Path
 
@@ -19,6 +14,7 @@ from cli_check import cli_error
 
 import npumoe
 from npumoe.backends.build_cache import BuildUnit, lower_units
+from npumoe.backends.ray_local import free_port, local_cluster
 from npumoe.cli import main
 from npumoe.core.base.progress import task
 from npumoe.core.compiler.artifacts import build
@@ -28,62 +24,13 @@ try:
 except ImportError:
     ray = None
 needs_ray = pytest.mark.skipif(ray is None, reason="--cluster needs Ray (pip install 'npumoe[cluster]')")
-RAY = Path(sys.executable).with_name("ray")  # the ray CLI of this interpreter: its workers import this npumoe
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_node(args: list[str], log: Path) -> subprocess.Popen:
-    """One Ray node in its own process group, blocking until told to stop (so it is stopped by its id alone)."""
-    return subprocess.Popen([str(RAY), "start", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
-                             "--object-store-memory", str(80 << 20), "--disable-usage-stats", "--include-log-monitor", "false",
-                             "--dashboard-agent-listen-port", str(free_port()), *args],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop_node(node: subprocess.Popen) -> None:
-    node.terminate()  # `ray start --block` stops its node's processes on SIGTERM
-    try:
-        node.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(node.pid, signal.SIGKILL)  # whatever of its group is left
-    except ProcessLookupError:
-        pass
-    node.wait()
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A head and a worker node, one CPU each: the head's address. Not its ray:// client address: Ray's client
-    server failed to start its per-client server in 3 of 5 runs of this file (none of 6 runs outside pytest)."""
-    temp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths must fit in 107 bytes
-    port = free_port()
-    nodes = [start_node(["--head", "--port", str(port), "--ray-client-server-port", str(free_port()),
-                         "--include-dashboard", "false", "--dashboard-port", str(free_port()), "--temp-dir", str(temp)],
-                        temp / "head.log")]
-    try:
-        nodes.append(start_node(["--address", f"127.0.0.1:{port}"], temp / "worker.log"))
-        ray.init(address=f"127.0.0.1:{port}", logging_level="ERROR", log_to_driver=False)
-        try:
-            for _ in range(120):
-                if sum(n["Alive"] for n in ray.nodes()) == 2:
-                    break
-                time.sleep(0.5)
-            else:
-                pytest.fail(f"the worker node did not join: {(temp / 'worker.log').read_text()[-2000:]}")
-        finally:
-            ray.shutdown()
-        yield f"127.0.0.1:{port}"
-    finally:
-        for node in reversed(nodes):
-            stop_node(node)
-        shutil.rmtree(temp, ignore_errors=True)
+    """A head and a worker node on 127.0.0.1, one CPU each: the head's address."""
+    with local_cluster(2) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +184,14 @@ def test_weights_travel_as_where_to_map_them_not_as_their_bytes():
     in_memory = Weights({n: model.weights[n] for n in model.weights}, model.spec)
     with pytest.raises(InputError, match="made in memory"):
         pickle.dumps(in_memory)
+
+
+@needs_ray
+def test_bench_scale_cluster_lowers_every_unit_on_one_then_two_workers_into_a_local_builds_bytes(cluster, capsys):
+    from npumoe.models.demo import DEMO_DIR
+
+    main(["bench", "scale", "--ckpt", str(DEMO_DIR), "--layers", "1", "--cluster", cluster, "--json"])
+    result = json.loads(capsys.readouterr().out)["cluster"]
+    assert [run["workers"] for run in result["runs"]] == [1, 2]  # one per CPU of the cluster
+    assert all(sum(run["units_per_node"]) == result["graphs"] > 4 for run in result["runs"])
+    assert len(result["runs"][1]["units_per_node"]) == 2 and all(run["identical"] for run in result["runs"])

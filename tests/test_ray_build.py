@@ -170,6 +170,13 @@ def test_a_cache_that_cannot_be_written_is_one_line(plan_args, capsys, tmp_path)
     assert not (tmp_path / "out").exists()
 
 
+def test_a_file_url_cache_is_its_directory(plan_args, capsys, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    assert "a-file/cache is not a directory" in cli_error(capsys, *plan_args, "--cache", f"file://{tmp_path}/a-file/cache")
+    assert "plan.json" in cli_error(capsys, *plan_args, "--cache", f"file://localhost{tmp_path}/my%20cache")
+    assert (tmp_path / "my cache").is_dir()  # made, proved writable, then the missing plan stopped the build
+
+
 def test_weights_travel_as_where_to_map_them_not_as_their_bytes():
     import pickle
 

@@ -43,7 +43,7 @@ def npu_plan(model, tmp_path_factory):
     """An intel_npu plan: its OpenVINO IR is the same bytes whichever process lowers a graph (the HTP's QNN
     context binaries are not even between two builds in one process)."""
     pytest.importorskip("openvino", reason="the intel_npu target needs OpenVINO (pip install 'npumoe[intel]')")
-    text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 8
+    text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 2
     plan = npumoe.plan(model, npumoe.calibrate(model, [text], chunk=16), target="intel_npu", residency="npu")
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     plan.save(path)

@@ -147,6 +147,15 @@ def test_an_address_nothing_answers_at_is_one_line(plan_args, capsys):
 
 
 @needs_ray
+def test_bench_scale_names_an_address_nothing_answers_at_before_any_work(capsys):  # one line: no progress yet
+    from npumoe.models.demo import DEMO_DIR
+
+    port = free_port()
+    assert f"nothing answers at 127.0.0.1:{port}" in cli_error(
+        capsys, "bench", "scale", "--ckpt", str(DEMO_DIR), "--layers", "1", "--cluster", f"127.0.0.1:{port}")
+
+
+@needs_ray
 @pytest.mark.parametrize("address, message", [
     ("http://127.0.0.1:8265", "is not a Ray address"),
     ("127.0.0.1", "is not a Ray address"),

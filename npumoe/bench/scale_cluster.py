@@ -30,20 +30,20 @@ def run_cluster(ckpt: Path, address: str, work: Path, text: Path) -> dict:
     from npumoe.commands.build import build_cache_at
     from npumoe.core.compiler.artifacts import build
 
-    model = npumoe.load(ckpt)
-    plan = npumoe.plan(model, npumoe.calibrate(model, [text.read_text()], chunk=CHUNK), target=TARGET,
-                       residency="npu")
-
-    def cold_build(name: str, jobs) -> tuple[dict, float]:
-        with build_cache_at(str(work / f"cache-{name}")):
-            start = time.perf_counter()
-            manifest = build(model, plan, TARGET, work / name, jobs=jobs)
-            return manifest, time.perf_counter() - start
-
-    local, local_s = cold_build("local", 1)
     started = local_cluster(os.cpu_count() or 1) if address == "local" else contextlib.nullcontext(address)
     runs = []
-    with started as where, connected(where) as cluster:
+    with started as where, connected(where) as cluster:  # first: a bad address is named before any work
+        model = npumoe.load(ckpt)
+        plan = npumoe.plan(model, npumoe.calibrate(model, [text.read_text()], chunk=CHUNK), target=TARGET,
+                           residency="npu")
+
+        def cold_build(name: str, jobs) -> tuple[dict, float]:
+            with build_cache_at(str(work / f"cache-{name}")):
+                start = time.perf_counter()
+                manifest = build(model, plan, TARGET, work / name, jobs=jobs)
+                return manifest, time.perf_counter() - start
+
+        local, local_s = cold_build("local", 1)
         _start_workers(cluster.cpus())
         for workers in range(1, cluster.cpus() + 1):
             cluster.workers, cluster.nodes_used = workers, {}

@@ -68,6 +68,7 @@ def local_cluster(nodes: int) -> Iterator[str]:
                             "--include-dashboard", "false", "--dashboard-port", str(free_port()),
                             "--temp-dir", str(temp)], temp / "head.log")]
     try:
+        _wait_for(ray, f"127.0.0.1:{port}", 1, temp)  # a worker started sooner gives up ("no node info for head")
         started += [_start_node(["--address", f"127.0.0.1:{port}"], temp / f"worker{i}.log") for i in range(1, nodes)]
         _wait_for(ray, f"127.0.0.1:{port}", nodes, temp)
         yield f"127.0.0.1:{port}"
@@ -78,13 +79,23 @@ def local_cluster(nodes: int) -> Iterator[str]:
 
 
 def _wait_for(ray, address: str, nodes: int, temp: Path) -> None:
-    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
-    try:
-        for _ in range(JOIN_SECONDS * 2):
-            if sum(n["Alive"] for n in ray.nodes()) == nodes:
-                return
-            time.sleep(0.5)
-        logs = "; ".join(f"{p.name}: {p.read_text()[-300:]}" for p in sorted(temp.glob("*.log")))
-        raise RuntimeError(f"{nodes} local Ray nodes did not all join in {JOIN_SECONDS} s ({logs})")
-    finally:
-        ray.shutdown()
+    """Until ``nodes`` nodes of the cluster at ``address`` are alive (a head still registering itself makes
+    ray.init raise a bare Exception: tried again)."""
+    deadline = time.monotonic() + JOIN_SECONDS
+    while time.monotonic() < deadline:
+        try:
+            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+        except Exception:
+            ray.shutdown()
+            time.sleep(1)
+            continue
+        try:
+            while time.monotonic() < deadline:
+                if sum(n["Alive"] for n in ray.nodes()) == nodes:
+                    return
+                time.sleep(0.5)
+        finally:
+            ray.shutdown()
+    last = {p.name: (p.read_text().strip().splitlines() or [""])[-1][-200:] for p in sorted(temp.glob("*.log"))}
+    raise BackendUnavailableError(f"{nodes} local Ray nodes did not all join in {JOIN_SECONDS} s (their logs end: "
+                                  f"{last}); is this machine out of memory or processes?")

@@ -7,7 +7,8 @@ to map the weights from, never the weights' bytes (:meth:`npumoe.core.ir.weights
 worker lowers it into the cache and returns only its key. A worker that dies (out of memory, a lost node)
 has its unit retried by Ray; a killed driver loses nothing finished, since finished units are cached.
 Every node needs the same npumoe and toolchains, and the checkpoint and the cache at the same paths.
-``ray`` is imported only here, only when a cluster is named (the ``cluster`` extra).
+``ray`` is imported only here and in :mod:`npumoe.backends.ray_local`, only when a cluster is named or started
+(the ``cluster`` extra).
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ class RayCluster:
     def __init__(self, address: str):
         self.address = address
         self.nodes_used: dict[str, int] = {}  # node id → units it lowered, over every fill
+        self.workers: int | None = None  # units lowering at once (bench scale --cluster adds one at a time); None: all
+
+    def cpus(self) -> int:
+        import ray
+
+        return int(ray.cluster_resources().get("CPU", 0))
 
     def fill(self, units: list, cache_root: Path, step) -> set[str]:
         """Lower ``units`` on the cluster into the cache at ``cache_root``; the keys lowered. The first unit
@@ -42,12 +49,18 @@ class RayCluster:
 
         lower = ray.remote(num_cpus=1, max_retries=MAX_RETRIES, retry_exceptions=False,
                            scheduling_strategy="SPREAD")(_lower_unit)
-        shared = ray.put(units)
-        running = {lower.remote(shared, i, str(Path(cache_root).resolve()), code_digest()): u
-                   for i, u in enumerate(units)}
-        step.describe(f"{len(units)} units on {self.address} ({_cpus(ray)} CPUs)")
+        shared, root, code = ray.put(units), str(Path(cache_root).resolve()), code_digest()
+        waiting = list(enumerate(units))[::-1]
+        running = {}
+
+        def submit() -> None:
+            while waiting and len(running) < (self.workers or len(units)):
+                i, unit = waiting.pop()
+                running[lower.remote(shared, i, root, code)] = unit
+        step.describe(f"{len(units)} units on {self.address} ({self.cpus()} CPUs)")
         done = set()
         try:
+            submit()
             while running:
                 (ready,), _ = ray.wait(list(running), num_returns=1)
                 unit = running.pop(ready)
@@ -59,14 +72,11 @@ class RayCluster:
                 self.nodes_used[node] = self.nodes_used.get(node, 0) + 1
                 step.describe(f"done: {unit.label}")
                 step.advance(len(unit.graphs))
+                submit()
         finally:
             for ref in running:  # a failed unit fails the build: stop the rest now
                 ray.cancel(ref)
         return done
-
-
-def _cpus(ray) -> int:
-    return int(ray.cluster_resources().get("CPU", 0))
 
 
 def _result(ray, ref, label: str) -> tuple[str, str]:

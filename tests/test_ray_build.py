@@ -4,13 +4,8 @@ bad address, cache or missing Ray is one line."""
 
 import json
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 import types
 from pathlib import Path
 
@@ -19,6 +14,7 @@ from cli_check import cli_error
 
 import npumoe
 from npumoe.backends.build_cache import BuildUnit, lower_units
+from npumoe.backends.ray_local import free_port, local_cluster
 from npumoe.cli import main
 from npumoe.core.base.progress import task
 from npumoe.core.compiler.artifacts import build
@@ -28,62 +24,13 @@ try:
 except ImportError:
     ray = None
 needs_ray = pytest.mark.skipif(ray is None, reason="--cluster needs Ray (pip install 'npumoe[cluster]')")
-RAY = Path(sys.executable).with_name("ray")  # the ray CLI of this interpreter: its workers import this npumoe
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_node(args: list[str], log: Path) -> subprocess.Popen:
-    """One Ray node in its own process group, blocking until told to stop (so it is stopped by its id alone)."""
-    return subprocess.Popen([str(RAY), "start", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
-                             "--object-store-memory", str(80 << 20), "--disable-usage-stats",
-                             "--dashboard-agent-listen-port", str(free_port()), *args],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop_node(node: subprocess.Popen) -> None:
-    node.terminate()  # `ray start --block` stops its node's processes on SIGTERM
-    try:
-        node.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(node.pid, signal.SIGKILL)  # whatever of its group is left
-    except ProcessLookupError:
-        pass
-    node.wait()
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A head and a worker node, one CPU each: the head's address. Not its ray:// client address: Ray's client
-    server failed to start its per-client server in 3 of 5 runs of this file (none of 6 runs outside pytest)."""
-    temp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))  # short: Ray's socket paths must fit in 107 bytes
-    port = free_port()
-    nodes = [start_node(["--head", "--port", str(port), "--ray-client-server-port", str(free_port()),
-                         "--include-dashboard", "false", "--dashboard-port", str(free_port()), "--temp-dir", str(temp)],
-                        temp / "head.log")]
-    try:
-        nodes.append(start_node(["--address", f"127.0.0.1:{port}"], temp / "worker.log"))
-        ray.init(address=f"127.0.0.1:{port}", logging_level="ERROR", log_to_driver=False)
-        try:
-            for _ in range(120):
-                if sum(n["Alive"] for n in ray.nodes()) == 2:
-                    break
-                time.sleep(0.5)
-            else:
-                pytest.fail(f"the worker node did not join: {(temp / 'worker.log').read_text()[-2000:]}")
-        finally:
-            ray.shutdown()
-        yield f"127.0.0.1:{port}"
-    finally:
-        for node in reversed(nodes):
-            stop_node(node)
-        shutil.rmtree(temp, ignore_errors=True)
+    """A head and a worker node on 127.0.0.1, one CPU each: the head's address."""
+    with local_cluster(2) as address:
+        yield address
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +43,7 @@ def npu_plan(model, tmp_path_factory):
     """An intel_npu plan: its OpenVINO IR is the same bytes whichever process lowers a graph (the HTP's QNN
     context binaries are not even between two builds in one process)."""
     pytest.importorskip("openvino", reason="the intel_npu target needs OpenVINO (pip install 'npumoe[intel]')")
-    text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 8
+    text = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 2
     plan = npumoe.plan(model, npumoe.calibrate(model, [text], chunk=16), target="intel_npu", residency="npu")
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     plan.save(path)
@@ -114,32 +61,28 @@ def lowered_here(monkeypatch):
 
 
 @needs_ray
-def test_a_cluster_build_writes_what_a_local_build_writes(model, npu_plan, cluster, lowered_here, tmp_path, capsys):
-    plan, plan_path = npu_plan
-    local = build(model, plan, "intel_npu", tmp_path / "local", progress=False)
-    lowered_here.clear()
-    out = tmp_path / "remote"
-    main(["build", "--plan", str(plan_path), "--target", "intel_npu", "--out", str(out), "--cluster", cluster,
-          "--cache", str(tmp_path / "shared-cache")])
-    remote = json.loads((out / "manifest.json").read_text())
-    assert lowered_here == []  # every unit was lowered on the cluster
-    assert remote["files"] == local["files"] and len(local["files"]) > 10  # the same files, byte for byte (sha256)
-    assert not any(g["cached"] for g in remote["graphs"].values())
-    assert f"{len(remote['graphs'])} units lowered on 2 nodes" in capsys.readouterr().out
-
-
-@needs_ray
-def test_a_killed_driver_resumes_from_the_shared_cache(model, npu_plan, cluster, lowered_here, tmp_path, monkeypatch):
+def test_a_killed_drivers_build_resumes_on_the_cluster_into_what_a_local_build_writes(
+        model, npu_plan, cluster, lowered_here, tmp_path, monkeypatch, capsys):
+    """Layers 0-1 (8 units): layer 0's lowered on the cluster by a driver that stops there, as if killed; the
+    CLI's build resumes from the shared cache, lowers layer 1's on both nodes, and writes a local build's bytes."""
     from npumoe.backends.ray_cluster import connected
 
-    plan, _ = npu_plan
-    monkeypatch.setenv("NPUMOE_BUILD_CACHE", str(tmp_path / "shared-cache"))
+    plan, plan_path = npu_plan
+    local = build(model, plan, "intel_npu", tmp_path / "local", progress=False, layers={0, 1})
+    lowered_here.clear()
+    cache = tmp_path / "shared-cache"
+    monkeypatch.setenv("NPUMOE_BUILD_CACHE", str(cache))
     with connected(cluster) as on_cluster:
         first = build(model, plan, "intel_npu", tmp_path / "layer0", progress=False, layers={0}, jobs=on_cluster)
-        whole = build(model, plan, "intel_npu", tmp_path / "whole", progress=False, jobs=on_cluster)
-    finished = {name for name, g in whole["graphs"].items() if g["cached"]}
-    assert finished == set(first["graphs"]) and 0 < len(finished) < len(whole["graphs"])
-    assert lowered_here == [] and sum(on_cluster.nodes_used.values()) == len(whole["graphs"])
+    out = tmp_path / "remote"
+    main(["build", "--plan", str(plan_path), "--target", "intel_npu", "--out", str(out), "--layers", "0-1",
+          "--cluster", cluster, "--cache", str(cache)])
+    remote = json.loads((out / "manifest.json").read_text())
+    assert lowered_here == [] and sum(on_cluster.nodes_used.values()) == len(first["graphs"])  # all on the cluster
+    assert remote["files"] == local["files"] and len(local["files"]) == 16  # the same files, byte for byte (sha256)
+    resumed = {name for name, g in remote["graphs"].items() if g["cached"]}
+    assert resumed == set(first["graphs"]) and len(resumed) == 4
+    assert f"{len(remote['graphs']) - 4} units lowered on 2 nodes" in capsys.readouterr().out
 
 
 def lower_toy(attempts: Path, then, unit_dir: Path) -> dict:
@@ -204,6 +147,15 @@ def test_an_address_nothing_answers_at_is_one_line(plan_args, capsys):
 
 
 @needs_ray
+def test_bench_scale_names_an_address_nothing_answers_at_before_any_work(capsys):  # one line: no progress yet
+    from npumoe.models.demo import DEMO_DIR
+
+    port = free_port()
+    assert f"nothing answers at 127.0.0.1:{port}" in cli_error(
+        capsys, "bench", "scale", "--ckpt", str(DEMO_DIR), "--layers", "1", "--cluster", f"127.0.0.1:{port}")
+
+
+@needs_ray
 @pytest.mark.parametrize("address, message", [
     ("http://127.0.0.1:8265", "is not a Ray address"),
     ("127.0.0.1", "is not a Ray address"),
@@ -227,6 +179,13 @@ def test_a_cache_that_cannot_be_written_is_one_line(plan_args, capsys, tmp_path)
     assert not (tmp_path / "out").exists()
 
 
+def test_a_file_url_cache_is_its_directory(plan_args, capsys, tmp_path):
+    (tmp_path / "a-file").write_text("")
+    assert "a-file/cache is not a directory" in cli_error(capsys, *plan_args, "--cache", f"file://{tmp_path}/a-file/cache")
+    assert "plan.json" in cli_error(capsys, *plan_args, "--cache", f"file://localhost{tmp_path}/my%20cache")
+    assert (tmp_path / "my cache").is_dir()  # made, proved writable, then the missing plan stopped the build
+
+
 def test_weights_travel_as_where_to_map_them_not_as_their_bytes():
     import pickle
 
@@ -241,3 +200,14 @@ def test_weights_travel_as_where_to_map_them_not_as_their_bytes():
     in_memory = Weights({n: model.weights[n] for n in model.weights}, model.spec)
     with pytest.raises(InputError, match="made in memory"):
         pickle.dumps(in_memory)
+
+
+@needs_ray
+def test_bench_scale_cluster_lowers_every_unit_on_one_then_two_workers_into_a_local_builds_bytes(cluster, capsys):
+    from npumoe.models.demo import DEMO_DIR
+
+    main(["bench", "scale", "--ckpt", str(DEMO_DIR), "--layers", "1", "--cluster", cluster, "--json"])
+    result = json.loads(capsys.readouterr().out)["cluster"]
+    assert [run["workers"] for run in result["runs"]] == [1, 2]  # one per CPU of the cluster
+    assert all(sum(run["units_per_node"]) == result["graphs"] > 4 for run in result["runs"])
+    assert len(result["runs"][1]["units_per_node"]) == 2 and all(run["identical"] for run in result["runs"])

@@ -325,8 +325,13 @@ def build_one_layer(ckpt: Path, work: Path, console: Console) -> list[dict]:
               help="Instead of --steps: calibrate, plan, build the whole model for the HTP and generate a 64-token "
                    "prompt's 8 new tokens through the built artifacts; top-1 agreement with the CPU reference. The "
                    "build (~ the checkpoint's size on disk) is deleted afterwards.")
+@click.option("--cluster", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS|local]",
+              help="Instead of --steps: lower a one-layer cut's build units (or --layers') for intel_npu on 1, 2, ... "
+                   "workers of this Ray cluster (alone: a local one of 1-CPU nodes on 127.0.0.1, one per core), each "
+                   "from an empty build cache; wall time and speed-up per worker added, bytes checked against a "
+                   "local build (pip install 'npumoe[cluster]').")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def bench_scale_command(model_name, layers, ckpt, steps, full, as_json):
+def bench_scale_command(model_name, layers, ckpt, steps, full, cluster, as_json):
     """Every command on a real-size checkpoint: wall time, peak private memory, peak RSS, bytes written.
 
     \b
@@ -334,6 +339,7 @@ def bench_scale_command(model_name, layers, ckpt, steps, full, as_json):
       npumoe bench scale                                   # OLMoE-1B-7B-0924's config, 13.8 GB of bf16
       npumoe bench scale --model qwen3-30b-a3b --layers 8  # Qwen3-30B-A3B's widths, 8 of its 48 layers
       npumoe bench scale --full                            # the whole model built for the HTP and run
+      npumoe bench scale --cluster ray://HEAD:10001        # one layer's build on 1, 2, ... of its workers
     """
     chosen = tuple(s.strip() for s in steps.split(",") if s.strip())
     unknown = [s for s in chosen if s not in STEPS]
@@ -342,6 +348,9 @@ def bench_scale_command(model_name, layers, ckpt, steps, full, as_json):
     if "generate-int4" in chosen and "quantize" not in chosen[:chosen.index("generate-int4")]:
         raise click.BadParameter("generate-int4 runs the checkpoint the quantize step writes: list quantize before "
                                  "it.", param_hint="--steps")
+    if full and cluster:
+        raise click.BadParameter("--full builds on this machine; give --full or --cluster, not both.",
+                                 param_hint="--cluster")
     console = Console(stderr=as_json)
     cfg = MODELS[model_name]
     if ckpt:  # --layers cuts a given checkpoint (its shards linked, not copied)
@@ -355,6 +364,8 @@ def bench_scale_command(model_name, layers, ckpt, steps, full, as_json):
         path = write_random_checkpoint(cfg, CACHE / model_name)
     if full:
         return _full(path, console, as_json)
+    if cluster:
+        return _cluster(path if layers else cut(path, 1, CACHE / f"{path.name}-cut-1"), cluster, console, as_json)
     with tempfile.TemporaryDirectory(prefix="npumoe-bench-scale-", dir=CACHE) as work:
         results = run_steps(path, Path(work), chosen, console)
         # the quantised checkpoint as npumoe.load holds it by default: packed matrices at their packed size
@@ -415,6 +426,18 @@ def _full(path: Path, console: Console, as_json: bool) -> None:
         click.echo(json.dumps(result, indent=1))
     else:
         print_full(result, console)
+
+
+def _cluster(path: Path, address: str, console: Console, as_json: bool) -> None:
+    from npumoe.bench.scale_cluster import print_cluster, run_cluster
+
+    with tempfile.TemporaryDirectory(prefix="npumoe-bench-scale-cluster-", dir=CACHE) as work:
+        result = {"checkpoint": str(path), "machine": {"cpus": os.cpu_count(), "ram_bytes": _ram()},
+                  "cluster": run_cluster(path, address, Path(work), calibration_text(Path(work)))}
+    if as_json:
+        click.echo(json.dumps(result, indent=1))
+    else:
+        print_cluster(result, console)
 
 
 def _ram() -> int:

@@ -6,6 +6,7 @@ import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import click
 from rich.console import Console
@@ -58,8 +59,9 @@ from npumoe.core.planning import GRAPHS_PER_LAYER, RESIDENCY
                    "of its nodes) or auto (RAY_ADDRESS). Every node needs this npumoe, the toolchains, and the "
                    "model and --cache at the same paths (pip install 'npumoe[cluster]').")
 @click.option("--cache", "cache_dir", default=None, type=click.Path(),
-              help="Build cache directory [default: $NPUMOE_BUILD_CACHE, else ~/.cache/npumoe/builds]; with "
-                   "--cluster, one on a file system every node mounts at this path (NFS, say).")
+              help="Build cache directory or file:// URL [default: $NPUMOE_BUILD_CACHE, else "
+                   "~/.cache/npumoe/builds]; with --cluster, one on a file system every node mounts at this path "
+                   "(NFS, say; object stores such as s3:// cannot hold it).")
 @build_options
 def build_command(model_dir, dtype, targets, text_files, heldout_file, chunk, residency, graphs_per_layer, plan_path,
                   target, out, max_context, layers, jobs, cluster, cache_dir, **options):
@@ -120,9 +122,12 @@ def build_cache_at(directory: str | None):
     if directory is None:
         yield
         return
+    if directory.startswith("file://") and urlsplit(directory).netloc in ("", "localhost"):
+        directory = unquote(urlsplit(directory).path)  # fsspec's name for a local directory: the directory
     if "://" in directory:
-        raise InputError(f"--cache takes a directory, not the URL {directory}: the cache renames and links files, "
-                         "which object stores do not; give a directory on a file system every node mounts (NFS).")
+        raise InputError(f"--cache takes a directory (or file:///path), not the URL {directory}: the cache renames "
+                         "and links files, which object stores do not; give a directory on a file system every node "
+                         "mounts (NFS).")
     try:
         Path(directory).mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=directory).close()

@@ -87,13 +87,14 @@ def qwen3():
 def by_hand(p, shares: bool, expert_bytes: float, dense_bytes: float) -> tuple[float, int]:
     """(package weight bytes, compiled graphs) from the plan's groups: a graph per prefill shape and one per
     decode part (one for the whole group when decode_experts is 0, none when decode runs on the prefill graphs);
-    Core ML shares a package among the graphs reading one set of weights, a QNN context holds its own."""
+    Core ML keeps a group's prefill graph and the decode graphs cut from it in one package, its weights once; a QNN
+    context holds its own."""
     weights, graphs = 0.0, 0
     for lp in p.layers.values():
         for g in lp.groups:
             parts = math.ceil(len(g.experts) / g.decode_experts) if g.decode_experts else 1
             if shares:
-                copies, units = (2, 1 + parts) if g.decode_experts else (1, 1)
+                copies, units = 1, 1
             elif p.decode == "prefill":  # decode launches the group's prefill graph: no graph of its own
                 copies = units = len(g.shapes)
             else:
@@ -107,7 +108,7 @@ def by_hand(p, shares: bool, expert_bytes: float, dense_bytes: float) -> tuple[f
 @pytest.mark.parametrize("target, precision, expert_bytes, dense_bytes", [
     ("ane", "fp16", 2, 2), ("ane", "int4", 4.5 / 8, 2), ("htp", "fp16", 2, 2), ("htp", "w4a16", 4.5 / 8, 1),
 ])
-def test_qwen3_30b_by_hand(qwen3, target, precision, expert_bytes, dense_bytes):
+def test_qwen3_30b_by_hand(qwen3, target, precision, expert_bytes, dense_bytes):  # (ane: decode graphs cut from groups)
     spec, plans = qwen3
     need = footprint(spec, plans[target], 4096, precision)
     weights, graphs = by_hand(plans[target], plugin(target).shares_weights, expert_bytes, dense_bytes)
@@ -134,13 +135,15 @@ def test_qwen3_30b_does_not_fit_an_8_gb_phone_at_fp16(qwen3, target, phone):
 
 def test_a_build_no_device_holds_names_the_nearest_and_by_how_much(qwen3):
     spec, plans = qwen3
-    need = footprint(spec, plans["ane"], 4096, "int4")
+    need = footprint(spec, plans["ane"], 4096, "fp16")
     found = verdicts("ane", need)
     assert not any(v.fits for v in found)
     nearest = min(found, key=lambda v: v.memory_over)
     assert nearest.device == "Apple M4 Max"  # the most RAM: 36 GB x 0.75
-    assert budget_lines("ane", need)[-1] == (f"fits no ane device at int4: the nearest, Apple M4 Max, is "
+    assert budget_lines("ane", need)[-1] == (f"fits no ane device at fp16: the nearest, Apple M4 Max, is "
                                              f"{nearest.memory_over / 1e9:.1f} GB short of memory")
+    at_int4 = {v.device: v for v in verdicts("ane", footprint(spec, plans["ane"], 4096, "int4"))}
+    assert at_int4["Apple M4 Max"].fits and not at_int4["Apple A18"].fits  # its weights once: 20.2 GB of 27
 
 
 def test_a_graph_larger_than_a_package_is_named_with_the_excess(qwen3):

@@ -191,6 +191,29 @@ def weight_bits(target: str, precision: str) -> Callable[[str], float]:
     return lambda kind: bits(kind, precision)
 
 
+def stored_units(graphs: list, shares: bool) -> list[list]:
+    """The graphs as a build stores them: each alone, or, on a target whose graphs share weights, together with every
+    graph they share any weight with (a group's prefill graph and the decode graphs cut from it go into one package
+    or context, their weights once)."""
+    if not shares:
+        return [[g] for g in graphs]
+    owner: dict[str, int] = {}  # weight → the unit holding it
+    units: list[list] = []
+    for g in graphs:
+        linked = sorted({owner[n] for n in g.weight_names() if n in owner})
+        into = linked[0] if linked else len(units)
+        if not linked:
+            units.append([])
+        for other in linked[1:]:  # g joins units that were apart
+            for moved in units[other]:
+                owner.update(dict.fromkeys(moved.weight_names(), into))
+            units[into] += units[other]
+            units[other] = []
+        units[into].append(g)
+        owner.update(dict.fromkeys(g.weight_names(), into))
+    return [u for u in units if u]
+
+
 def footprint(spec, plan, max_context: int, precision: str = "fp16") -> Footprint:
     """What ``plan``'s build for its target at ``precision`` holds in memory at ``max_context``."""
     from npumoe.core.compiler.program import build_program
@@ -200,11 +223,13 @@ def footprint(spec, plan, max_context: int, precision: str = "fp16") -> Footprin
     shapes = expected_shapes(spec) | {"lm_head.weight": (spec.vocab_size, spec.hidden_size)}  # tied or not
     program = build_program(spec, chunk=plan.chunk, max_context=max_context, plan=plan)
     npu = [g for g in program.graphs.values() if g.placement == "npu"]
-    compiled: dict = {}  # one per graph, or per set of weights where graphs share a package
-    for g in npu:
-        key = frozenset(g.weight_names()) if shares else g.name
-        size = bits(g.kind) / 8 * sum(math.prod(shapes[n]) for n in g.weight_names())
-        compiled.setdefault(key, (size, g.name))
+    compiled = {}  # stored unit → (its weight bytes, a graph of it)
+    for unit in stored_units(npu, shares):
+        held = {}  # each weight once, at the bits of the first graph holding it
+        for g in unit:
+            for n in g.weight_names():
+                held.setdefault(n, g.kind)
+        compiled[unit[0].name] = (sum(bits(kind) / 8 * math.prod(shapes[n]) for n, kind in held.items()), unit[0].name)
     on_npu = {n for g in npu for n in g.weight_names()}
     host = HOST_BITS / 8 * sum(math.prod(s) for n, s in expected_shapes(spec).items() if n not in on_npu)
     caches = {(g.layer, n): t.shape for g in program.graphs.values() for n, t in g.inputs.items()

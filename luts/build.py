@@ -84,6 +84,15 @@ def library(isa: str) -> Path:
     return _compile(cc, sources, flags, cache_dir() / f"lut-{isa}-{_key(cc, sources, flags)}{suffix}")
 
 
+def runner_object(isa: str) -> Path:
+    """The kernels for ``isa`` as one relocatable object, linked into a native program (npumoe-run's custom ops)."""
+    cc = compiler()
+    flags = (*COMMON_FLAGS, "-r", "-nostdlib", f"-DNPUMOE_ISA_{isa.upper()}", *ISAS[isa][1])
+    sources = _sources(isa)
+    return cached_build([*cc, *flags, *map(str, sources)], cache_dir() / f"lut-{isa}-{_key(cc, sources, flags)}.o",
+                        "the LUT kernels")
+
+
 @functools.cache
 def python_calls():
     """The compiled ``_lutcall`` module (csrc/pycall.c) behind LutKernels' GEMV calls, or None when this

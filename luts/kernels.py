@@ -60,6 +60,14 @@ class Swiglu(ctypes.Structure):
     _fields_ = [("gate", Matrix), ("up", Matrix), ("down", Matrix)]
 
 
+class LutStack(ctypes.Structure):
+    """Every expert's packed matrix of one name, stacked (``npumoe_lut_swiglu_rows``): arrays by address, zeros 0
+    for symmetric weights."""
+
+    _fields_ = [("tiles", _P), ("scales", _P), ("zeros", _P), ("n", _I), ("k", _I), ("bits", _I), ("group", _I),
+                ("experts", _I)]
+
+
 class MoE(ctypes.Structure):
     """One MoE layer for ``npumoe_moe_decode``: an fp32 router [experts, hidden] by address, every expert's record,
     and the softmax routing's parameters."""
@@ -114,6 +122,7 @@ _SIGNATURES = {
     "npumoe_lut_gemv_rows_many": ([ctypes.POINTER(LutRowsTask), _I, _I], ctypes.c_int),
     "npumoe_lut_set_prefetch": ([_I], ctypes.c_int),
     "npumoe_swiglu_experts": ([ctypes.POINTER(ctypes.POINTER(Swiglu)), _P, _I, _P, _P, _I], ctypes.c_int),
+    "npumoe_lut_swiglu_rows": ([ctypes.POINTER(LutStack)] * 3 + [_P, _P, _I, _I, _P, _P, _I], ctypes.c_int),
     "npumoe_route_softmax": ([_P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _I], None),
     "npumoe_moe_decode": ([ctypes.POINTER(MoE), _P, _P, _P, _P, _P, ctypes.POINTER(ctypes.c_double), _I], ctypes.c_int),
     "npumoe_decode_step": ([ctypes.POINTER(Model), ctypes.c_int64, _I, _P, _P, _P, ctypes.POINTER(ctypes.c_double),
@@ -216,6 +225,16 @@ class NativeCalls:
         batch = (LutTask * len(tasks))(*((ctypes.pointer(w), x, y) for w, x, y in tasks))
         if self.lib.npumoe_lut_gemv_many(batch, len(tasks), table_bits, threads):
             raise MemoryError("the LUT-GEMV could not allocate its tables")
+
+    def lut_swiglu_rows_at(self, stacks: tuple[LutStack, LutStack, LutStack], ids: int, weights: int, rows: int,
+                           k: int, x: int, y: int, threads: int) -> None:
+        """y [rows, hidden] = Σ_j weights[r, j] · expert_{ids[r, j]}(x[r]) over stacked packed gate, up and down
+        matrices, all by address: the ExecuTorch op's body, the same code the native runner links."""
+        status = self.lib.npumoe_lut_swiglu_rows(*map(ctypes.byref, stacks), ids, weights, rows, k, x, y, threads)
+        if status == -2:
+            raise IndexError("an expert id is out of range of the stacked experts")
+        if status:
+            raise MemoryError("the fused experts could not allocate their scratch")
 
     def swiglu_experts_at(self, experts: list[Swiglu], weights: int, x: int, y: int, threads: int) -> None:
         """y [hidden] = Σ_e weights[e] · down_e(silu(gate_e x) ⊙ up_e x) for one token, all by address (fp32):

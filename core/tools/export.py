@@ -78,9 +78,10 @@ def export(model, target: str, out: str | Path, plan=None, chunk: int | None = N
                              "out).")
         decoder = program_target(CPU) if decode_on == "cpu" else record
         devices = {"prefill": record.device, "decode": decoder.device}
-        if getattr(model.weights, "packed", None):
-            raise InputError(f"{model.name} holds quantised (packed) matrices, which npumoe export does not take "
-                             "yet; export the unquantised checkpoint.")
+        if getattr(model.weights, "packed", None) and target != CPU:
+            raise InputError(f"{model.name} holds quantised (packed) matrices, which only a program for target cpu "
+                             "runs (its experts through npumoe's LUT kernels); export for --target cpu, or export "
+                             "the unquantised checkpoint.")
         if plan is not None:
             plan.check_model(model)
             if plan.overflow != "spill":

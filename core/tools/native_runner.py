@@ -18,8 +18,10 @@ from pathlib import Path
 from npumoe.core.base.errors import BackendUnavailableError
 from npumoe.core.base.native import cache_dir, cached_build, find_compiler
 from npumoe.core.ir.backend import RunnerSetup
+from npumoe.luts import build, kernels
 
 SOURCE = Path(__file__).parent / "npumoe_run" / "npumoe_run.cpp"
+LUT_OPS = SOURCE.with_name("lut_ops.cpp")  # npumoe's LUT kernels as ExecuTorch kernels, linked with luts/csrc
 RUNTIME_LIBRARIES = ("executorch", "executorch_kernels_optimized")
 INSTALL_EXECUTORCH = "pip install executorch==1.5.1"
 
@@ -79,9 +81,11 @@ def runner(target: str, libraries: tuple[str, ...], setup: RunnerSetup = RunnerS
              f"-DNPUMOE_SETENV={_quoted(chr(10).join(f'{k}={v}' for k, v in setup.env.items()))}",
              f"-DNPUMOE_PRELOAD={_quoted(chr(10).join(setup.preload))}",
              f"-DNPUMOE_ELSEWHERE={_quoted(elsewhere)}"]
+    lut_object = build.runner_object(kernels.kernels().isa)
     links = [f"-L{root / 'lib'}", "-Wl,--no-as-needed", *(f"-l{lib}" for lib in (*RUNTIME_LIBRARIES, *libraries)),
-             "-Wl,--as-needed", "-ldl", f"-Wl,-rpath,{root / 'lib'}"]
+             "-Wl,--as-needed", "-ldl", "-lm", "-pthread", f"-Wl,-rpath,{root / 'lib'}"]
     key = hashlib.sha256("\0".join([_compiler_version(cxx), _executorch_version(), *flags, *links]).encode()
-                         + SOURCE.read_bytes()).hexdigest()[:16]
+                         + SOURCE.read_bytes() + LUT_OPS.read_bytes() + lut_object.read_bytes()).hexdigest()[:16]
     out = cache_dir("runner") / f"npumoe-run-{target}-{key}"
-    return cached_build([*cxx, *flags, str(SOURCE), *links], out, "the native runner npumoe-run")
+    return cached_build([*cxx, *flags, str(SOURCE), str(LUT_OPS), str(lut_object), *links], out,
+                        "the native runner npumoe-run")

@@ -19,13 +19,14 @@ import torch
 from torch.fx.traceback import annotate
 
 from npumoe.core.compiler.graphs import experts_graph
-from npumoe.core.compiler.interpreter import OP_IMPLS, evaluate
+from npumoe.core.compiler.interpreter import OP_IMPLS, TorchGraphExecutor, evaluate
 from npumoe.core.compiler.program import ExpertGroup, Program
 from npumoe.core.ir.backend import EXPERT_REGION
 from npumoe.core.ir.rope import cos_sin
 from npumoe.core.ir.spec import ModelSpec
 from npumoe.core.ir.weights import expert
 from npumoe.core.runtime.router import route
+from npumoe.luts import experts_op
 
 MASKED = float("-inf")
 
@@ -93,7 +94,8 @@ class StaticMoE(torch.nn.Module):
                              if moe.router.correction_bias else None)
         self.graph = experts_graph(spec, layer, (0,), (1,), f"L{layer}.exported_expert")
         self.stacked = {}  # expert 0's weight names in the graph → every expert's, stacked [E, ...]
-        for name in self.graph.weight_names():
+        self.packed = self._stack_packed(weights, layer)
+        for name in () if self.packed else self.graph.weight_names():
             part = name[len(expert(layer, 0)) + 1:]
             buffer = "experts_" + part.replace(".", "_")
             self.register_buffer(buffer, torch.stack([_fp32(weights[f"{expert(layer, e)}.{part}"]).to(dtype)
@@ -102,6 +104,32 @@ class StaticMoE(torch.nn.Module):
         self.register_buffer("pair_token", torch.arange(chunk).repeat_interleave(moe.top_k))
         self.register_buffer("expert_ids", torch.arange(moe.num_experts))
         self._plan_capacities(groups, chunk)
+
+    def _stack_packed(self, weights, layer: int) -> tuple[int, int, int] | None:
+        """(bits, group, intermediate) when every expert is a plain SwiGLU of packed matrices of one format, their
+        tiles, scales and zeros then stacked into buffers for ``npumoe::lut_swiglu_experts``; else None."""
+        packed = getattr(weights, "packed", {})
+        if not all(name in packed for name in self.graph.weight_names()):
+            return None
+        matrices = TorchGraphExecutor(self.graph, weights).swiglu_matrices
+        if matrices is None:
+            return None
+        part = {id(packed[n]): n[len(expert(layer, 0)) + 1:] for n in self.graph.weight_names()}
+        tiled = [[packed[f"{expert(layer, e)}.{part[id(m)]}"].tiled() for e in range(self.num_experts)]
+                 for m in matrices]
+        formats = {(t.bits, t.group, t.zeros is None) for ts in tiled for t in ts}
+        if len(formats) != 1:
+            return None
+        for matrix, ts in zip(("gate", "up", "down"), tiled):
+            for field, tensor in zip(("tiles", "scales", "zeros"), experts_op.stack(ts)):
+                self.register_buffer(f"experts_{matrix}_{field}", tensor)
+        return tiled[0][0].bits, tiled[0][0].group, tiled[0][0].shape[0]
+
+    def _packed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Row r of x [rows, H] through its experts ids[r] weighted by weights[r], in one op over the packed stacks."""
+        stacks = [tuple(getattr(self, f"experts_{m}_{f}") for f in ("tiles", "scales", "zeros"))
+                  for m in ("gate", "up", "down")]
+        return experts_op.lut_swiglu_experts(x, ids, weights, stacks, *self.packed)
 
     def _plan_capacities(self, groups: list[ExpertGroup], chunk: int) -> None:
         """The static groups' shapes as tensors, the buffer's width and the spill slots they need. An expert holds
@@ -144,12 +172,16 @@ class StaticMoE(torch.nn.Module):
         return y.to(torch.float32)
 
     def _pairs(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Row i of x[n, H] through expert ``experts[i]``: its matrices gathered for it."""
+        """Row i of x[n, H] through expert ``experts[i]``: its matrices gathered for it (packed: read in place)."""
+        if self.packed:
+            return self._packed_experts(x, experts.unsqueeze(1), torch.ones(experts.shape[0], 1))
         matrices = {name: getattr(self, buffer).index_select(0, experts) for name, buffer in self.stacked.items()}
         return self._experts(x.unsqueeze(1), matrices).squeeze(1)
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         expert_of, gate = self._route(z)
+        if self.packed:  # the routed experts and their weighted sum in one call, as the engine's fused decode
+            return self._packed_experts(z, expert_of.unsqueeze(0), gate.unsqueeze(0))
         y = self._pairs(z.expand(self.top_k, -1), expert_of)
         return (y * gate.unsqueeze(1)).sum(0, keepdim=True)
 
@@ -201,8 +233,11 @@ class StaticMoE(torch.nn.Module):
         rows = self.num_experts * self.width
         slot = torch.where(fits, expert_of * self.width + rank, rows)  # the rest write one scratch row
         buffer = _scatter_rows(z.new_zeros(rows + 1, z.shape[1]), slot, z.index_select(0, token))
-        stacked = {name: getattr(self, buffer_name) for name, buffer_name in self.stacked.items()}
-        out = self._experts(buffer[:rows].view(self.num_experts, self.width, -1), stacked).reshape(rows, -1)
+        if self.packed:
+            out = self._pairs(buffer[:rows], self.expert_ids.repeat_interleave(self.width))
+        else:
+            stacked = {name: getattr(self, buffer_name) for name, buffer_name in self.stacked.items()}
+            out = self._experts(buffer[:rows].view(self.num_experts, self.width, -1), stacked).reshape(rows, -1)
         return torch.where(fits.unsqueeze(1), out.index_select(0, slot.clamp(max=rows - 1)), 0.0)
 
     def _spill_pass(self, z, token, expert_of, spill) -> torch.Tensor:

@@ -1,0 +1,71 @@
+// npumoe's LUT kernels as ExecuTorch kernels: npumoe::lut_swiglu_experts.out, a layer's routed SwiGLU experts over
+// stacked packed matrices (npumoe/luts/experts_op.py defines the op for export and runs the same C function eagerly).
+// The matrices are the program's constants, read where the loader put them (mapped pages), never copied.
+#include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
+#include <executorch/runtime/kernel/kernel_includes.h>
+
+#include <cstdint>
+#include <thread>
+
+extern "C" {
+typedef struct {
+  const uint8_t* tiles;
+  const uint16_t* scales;
+  const uint8_t* zeros;
+  int n, k, bits, group, experts;
+} npumoe_lut_stack;
+int npumoe_lut_swiglu_rows(const npumoe_lut_stack* gate, const npumoe_lut_stack* up, const npumoe_lut_stack* down,
+                           const int64_t* ids, const float* weights, int rows, int k, const float* x, float* y,
+                           int threads);
+}
+
+namespace {
+
+using executorch::aten::ScalarType;
+using executorch::aten::Tensor;
+using executorch::runtime::Error;
+using executorch::runtime::KernelRuntimeContext;
+
+npumoe_lut_stack stack(const Tensor& tiles, const Tensor& scales, const Tensor& zeros, int64_t n, int64_t k,
+                       int64_t bits, int64_t group) {
+  return {tiles.const_data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.const_data_ptr()),
+          zeros.numel() ? zeros.const_data_ptr<uint8_t>() : nullptr, static_cast<int>(n), static_cast<int>(k),
+          static_cast<int>(bits), static_cast<int>(group), static_cast<int>(tiles.size(0))};
+}
+
+int threads() {
+  static const int count = [] {
+    const char* env = std::getenv("NPUMOE_THREADS");
+    const int asked = env ? std::atoi(env) : 0;
+    return asked > 0 ? asked : std::max(1u, std::thread::hardware_concurrency());
+  }();
+  return count;
+}
+
+Tensor& lut_swiglu_experts_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& ids, const Tensor& weights,
+                               const Tensor& gate_tiles, const Tensor& gate_scales, const Tensor& gate_zeros,
+                               const Tensor& up_tiles, const Tensor& up_scales, const Tensor& up_zeros,
+                               const Tensor& down_tiles, const Tensor& down_scales, const Tensor& down_zeros,
+                               int64_t bits, int64_t group, int64_t inter, Tensor& out) {
+  ET_KERNEL_CHECK(ctx,
+                  x.dim() == 2 && ids.dim() == 2 && x.scalar_type() == ScalarType::Float &&
+                      ids.scalar_type() == ScalarType::Long && weights.scalar_type() == ScalarType::Float &&
+                      out.scalar_type() == ScalarType::Float && out.numel() == x.numel() &&
+                      ids.size(0) == x.size(0) && weights.numel() == ids.numel() &&
+                      gate_scales.scalar_type() == ScalarType::Half,
+                  InvalidArgument, out);
+  const int64_t hidden = x.size(1);
+  const npumoe_lut_stack gate = stack(gate_tiles, gate_scales, gate_zeros, inter, hidden, bits, group);
+  const npumoe_lut_stack up = stack(up_tiles, up_scales, up_zeros, inter, hidden, bits, group);
+  const npumoe_lut_stack down = stack(down_tiles, down_scales, down_zeros, hidden, inter, bits, group);
+  const int status = npumoe_lut_swiglu_rows(&gate, &up, &down, ids.const_data_ptr<int64_t>(),
+                                            weights.const_data_ptr<float>(), static_cast<int>(x.size(0)),
+                                            static_cast<int>(ids.size(1)), x.const_data_ptr<float>(),
+                                            out.mutable_data_ptr<float>(), threads());
+  ET_KERNEL_CHECK_MSG(ctx, status == 0, InvalidArgument, out, "npumoe::lut_swiglu_experts failed (%d)", status);
+  return out;
+}
+
+}  // namespace
+
+EXECUTORCH_LIBRARY(npumoe, "lut_swiglu_experts.out", lut_swiglu_experts_out);

@@ -126,11 +126,23 @@ def _compute(x: torch.Tensor, weight: layout.TiledWeight) -> torch.Tensor:
 def lut_product(run: kernels.LutKernels, weight: layout.TiledWeight, rows: np.ndarray, threads: int):
     """(y [M, N] = rows · Wᵀ, the path's name) by the path the op takes for M rows on ``run`` 's build: the
     dequantising GEMM, the int8 GEMM or the LUT-GEMV."""
-    if uses_int8(rows.shape[0], weight.bits, run) and (y := run.gemm_int8(weight, rows, threads)) is not None:
-        return y, "int8 GEMM"
-    if uses_gemm(rows.shape[0], weight.bits, run):
+    path = product_path(rows.shape[0], weight.bits, run)
+    if path == "int8":
+        if (y := run.gemm_int8(weight, rows, threads)) is not None:
+            return y, "int8 GEMM"
+        path = product_path(rows.shape[0], weight.bits, run, int8=False)  # the int8 GEMM declined this weight
+    if path == "gemm":
         return run.gemm(weight, rows, threads), "dequant GEMM"
     return run.gemv(weight, rows, threads=threads), "LUT-GEMV"
+
+
+def product_path(rows: int, bits: int, run: kernels.LutKernels, int8: bool = True) -> str:
+    """The one rule that picks a packed product's kernel for ``rows`` rows on ``run`` 's build, whether a matrix
+    runs alone or batched: "int8" (the int8 GEMM, unless ``int8`` is False), "gemm" (the dequantising GEMM) or
+    "gemv" (the LUT-GEMV)."""
+    if int8 and uses_int8(rows, bits, run):
+        return "int8"
+    return "gemm" if uses_gemm(rows, bits, run) else "gemv"
 
 
 def uses_int8(rows: int, bits: int, run: kernels.LutKernels | None = None) -> bool:
@@ -273,13 +285,11 @@ def lut_linear_rows_many(xs: list[torch.Tensor], linears: list[LutLinear],
 def _rows_path(run: kernels.LutKernels, x: torch.Tensor, lin: LutLinear) -> str | None:
     """The batched call that takes these rows through this linear as :func:`lut_product` would: "int8", "gemv", or
     None (the dequantising GEMM's rows, a bias, padded outputs, a tracer, no rows)."""
-    rows = x.shape[0]
-    if not (rows and _eager(x) and x.dtype == torch.float32 and x.is_contiguous() and lin.bias is None
+    if not (x.shape[0] and _eager(x) and x.dtype == torch.float32 and x.is_contiguous() and lin.bias is None
             and lin.out_features % layout.ROWS == 0):
         return None
-    if uses_int8(rows, lin.bits, run):
-        return "int8"
-    return None if uses_gemm(rows, lin.bits, run) else "gemv"
+    path = product_path(x.shape[0], lin.bits, run)
+    return None if path == "gemm" else path
 
 
 def _bf16_path(x: torch.Tensor, w: torch.Tensor) -> str | None:

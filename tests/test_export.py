@@ -10,10 +10,10 @@ import sys
 
 import numpy as np
 import pytest
+from native_run import npumoe_run, skip_without_compiler
 
 import npumoe
 from npumoe.cli import main
-from npumoe.core.base.errors import BackendUnavailableError
 from npumoe.models.demo import corpus
 
 pytest.importorskip("executorch.exir", reason="npumoe export needs the executorch wheel")
@@ -41,10 +41,7 @@ def plan(demo):
 
 @pytest.fixture(scope="module")
 def exported(demo, plan, tmp_path_factory):
-    try:
-        native_runner.compiler()
-    except BackendUnavailableError as err:
-        pytest.skip(str(err))
+    skip_without_compiler()
     out = tmp_path_factory.mktemp("export") / "demo-cpu"
     return out, export(demo, "cpu", out, plan=plan, max_context=CONTEXT)
 
@@ -55,11 +52,6 @@ def prompt():
     return corpus.heldout_texts(1)[0][:75]
 
 
-def run(directory, *args: str) -> subprocess.CompletedProcess:
-    """npumoe-run with an empty environment: nothing of this Python's reaches it."""
-    return subprocess.run([str(directory / "npumoe-run"), str(directory / "model.pte"), *args], env={},
-                          capture_output=True, timeout=600, check=False)
-
 
 def test_the_runner_gives_the_engines_tokens_and_logits(demo, plan, exported, prompt):
     out, _ = exported
@@ -68,7 +60,7 @@ def test_the_runner_gives_the_engines_tokens_and_logits(demo, plan, exported, pr
     new, logits = engine.generate(np.asarray(ids), max_new_tokens=NEW, return_logits=True)
     m = engine.metrics
     assert m["npu_launches"] > 0 and m["spilled"] > 0  # the plan's static buffers and its spill both ran
-    done = run(out, "--tokens", ",".join(map(str, ids)), "--max-new-tokens", str(NEW), "--json", "--logits")
+    done = npumoe_run(out, "--tokens", ",".join(map(str, ids)), "--max-new-tokens", str(NEW), "--json", "--logits")
     assert done.returncode == 0, done.stderr.decode()
     result = json.loads(done.stdout)
     assert result["tokens"] == ids + new.tolist()
@@ -85,7 +77,7 @@ def test_the_programs_padding_and_spill_counts_are_the_engines(demo, plan, expor
     engine = npumoe.Engine(demo, plan=plan, max_context=CONTEXT, buffering=False)
     engine.generate(np.asarray(ids), max_new_tokens=1)  # the prefill alone (decode's graphs pad in their own way)
     m = engine.metrics
-    done = run(exported[0], "--tokens", ",".join(map(str, ids)), "--max-new-tokens", "1", "--json")
+    done = npumoe_run(exported[0], "--tokens", ",".join(map(str, ids)), "--max-new-tokens", "1", "--json")
     assert done.returncode == 0, done.stderr.decode()
     assert json.loads(done.stdout)["prefill_moe"] == {"padded": m["padded"], "spilled": m["spilled"],
                                                       "dropped": m["dropped"]}
@@ -95,7 +87,7 @@ def test_the_programs_padding_and_spill_counts_are_the_engines(demo, plan, expor
 def test_a_prompt_goes_through_the_tokenizer_beside_the_program(demo, plan, exported, prompt):
     out, _ = exported
     new = npumoe.Engine(demo, plan=plan, max_context=CONTEXT).generate(np.asarray(demo.tokenizer.encode(prompt)), 8)
-    done = run(out, "--prompt", prompt, "--max-new-tokens", "8")
+    done = npumoe_run(out, "--prompt", prompt, "--max-new-tokens", "8")
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout == bytes(new.tolist()) + b"\n"  # the byte tokenizer: token id = byte
 
@@ -165,7 +157,7 @@ def test_bad_input_is_one_line_and_exit_2(copy, damage, args, says):
         (copy / "npumoe_tokenizer.json").write_text('{"kind": "words"}')
     elif damage == "hugging face tokenizer":
         (copy / "npumoe_tokenizer.json").rename(copy / "tokenizer.json")
-    done = run(copy, *args)
+    done = npumoe_run(copy, *args)
     lines = done.stderr.decode().splitlines()
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and says in lines[0], lines
 

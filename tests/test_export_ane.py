@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+from native_run import skip_without_compiler
 
 pytest.importorskip("executorch.exir", reason="npumoe export needs the executorch wheel")
 pytest.importorskip("coremltools", reason="npumoe export --target ane needs coremltools (pip install 'npumoe[ane]')")
@@ -18,12 +19,11 @@ from npumoe.backends.apple_ane.mil_exec import MilFunction  # noqa: E402
 from npumoe.backends.apple_ane.mlpackage import SPEC_PATH, Package  # noqa: E402
 from npumoe.backends.apple_ane.pte import core_ml_packages  # noqa: E402
 from npumoe.cli import main  # noqa: E402
-from npumoe.core.base.errors import ArtifactError, BackendUnavailableError  # noqa: E402
+from npumoe.core.base.errors import ArtifactError  # noqa: E402
 from npumoe.core.ir.backend import FP16_CONFORMANCE  # noqa: E402
 from npumoe.core.ir.spec import MoESpec  # noqa: E402
 from npumoe.core.ir.weights import expert  # noqa: E402
 from npumoe.core.planning.plan import Plan  # noqa: E402
-from npumoe.core.tools import native_runner  # noqa: E402
 from npumoe.core.tools.export import export  # noqa: E402
 from npumoe.models.demo import corpus  # noqa: E402
 
@@ -37,10 +37,7 @@ def demo():
 
 @pytest.fixture(scope="module")
 def exported(demo, tmp_path_factory):
-    try:
-        native_runner.compiler()
-    except BackendUnavailableError as err:
-        pytest.skip(str(err))
+    skip_without_compiler()
     profile = npumoe.calibrate(demo, [t[:512] for t in corpus.calibration_texts(2)], chunk=CHUNK, window=256)
     plan = Plan.from_json(npumoe.plan(demo, profile, target="ane", residency="npu").to_json())
     plan.dense_placement = "cpu"  # as the program keeps them: attention, dense parts and head on ExecuTorch's CPU

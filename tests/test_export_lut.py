@@ -3,21 +3,20 @@ custom op, ``npumoe::lut_swiglu_experts``, over the packed tiles held as program
 engine runs; the native runner (a process without Python or torch) gives the engine's greedy tokens."""
 
 import json
-import subprocess
 
 import numpy as np
 import pytest
 import torch
+from native_run import npumoe_run, skip_without_compiler
 
 import npumoe
-from npumoe.core.base.errors import BackendUnavailableError, InputError
+from npumoe.core.base.errors import InputError
 from npumoe.luts import experts_op, layout, spec
 from npumoe.models.checkpoints.quantize import quantize_checkpoint
 from npumoe.models.demo import corpus
 
 pytest.importorskip("executorch.exir", reason="npumoe export needs the executorch wheel")
 
-from npumoe.core.tools import native_runner  # noqa: E402 (needs executorch)
 from npumoe.core.tools.export import export  # noqa: E402
 
 CHUNK, CONTEXT, NEW = 32, 160, 32
@@ -67,19 +66,15 @@ def quantised(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def exported(quantised, tmp_path_factory):
-    try:
-        native_runner.compiler()
-    except BackendUnavailableError as err:
-        pytest.skip(str(err))
+    skip_without_compiler()
     out = tmp_path_factory.mktemp("export") / "q4-cpu"
     export(quantised, "cpu", out, chunk=CHUNK, max_context=CONTEXT)
     return out
 
 
 def run(directory, ids, new):
-    done = subprocess.run([str(directory / "npumoe-run"), str(directory / "model.pte"), "--tokens",
-                           ",".join(map(str, ids)), "--max-new-tokens", str(new), "--json", "--logits"], env={},
-                          capture_output=True, timeout=600, check=False)
+    done = npumoe_run(directory, "--tokens", ",".join(map(str, ids)), "--max-new-tokens", str(new), "--json",
+                      "--logits")
     assert done.returncode == 0, done.stderr.decode()
     return json.loads(done.stdout)
 

@@ -9,15 +9,14 @@ import subprocess
 
 import numpy as np
 import pytest
+from native_run import npumoe_run, skip_without_compiler
 
 pytest.importorskip("executorch.exir", reason="npumoe export needs the executorch wheel (pip install executorch==1.5.1)")
 
 import npumoe  # noqa: E402
-from npumoe.core.base.errors import BackendUnavailableError  # noqa: E402
 from npumoe.core.compiler.artifacts import build  # noqa: E402
 from npumoe.core.ir.backend import plugin  # noqa: E402
 from npumoe.core.planning.plan import Plan  # noqa: E402
-from npumoe.core.tools import native_runner  # noqa: E402
 from npumoe.core.tools.export import export  # noqa: E402
 from npumoe.models.demo import corpus  # noqa: E402
 
@@ -44,10 +43,7 @@ def target(request):
     package, install = TARGETS[request.param][:2]
     if importlib.util.find_spec(package) is None:
         pytest.skip(f"{request.param} needs {package}: {install}")
-    try:
-        native_runner.compiler()
-    except BackendUnavailableError as err:
-        pytest.skip(str(err))
+    skip_without_compiler()
     return request.param
 
 
@@ -74,11 +70,6 @@ def ids(demo):
     return demo.tokenizer.encode(corpus.heldout_texts(1)[0][:40])
 
 
-def run(directory, *args: str) -> subprocess.CompletedProcess:
-    """npumoe-run with an empty environment: what the delegate needs, the runner sets up itself."""
-    return subprocess.run([str(directory / "npumoe-run"), str(directory / "model.pte"), *args], env={},
-                          capture_output=True, timeout=600, check=False)
-
 
 @pytest.fixture(scope="module")
 def device_tokens(demo, target, plan, ids, tmp_path_factory):
@@ -92,7 +83,7 @@ def device_tokens(demo, target, plan, ids, tmp_path_factory):
 
 
 def generated(directory, ids, *flags: str) -> dict:
-    done = run(directory, "--tokens", ",".join(map(str, ids)), "--max-new-tokens", str(NEW), "--json", *flags)
+    done = npumoe_run(directory, "--tokens", ",".join(map(str, ids)), "--max-new-tokens", str(NEW), "--json", *flags)
     assert done.returncode == 0, done.stderr.decode()
     return json.loads(done.stdout)  # nothing but the result on stdout, although QNN's simulator prints there
 

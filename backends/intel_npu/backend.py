@@ -10,6 +10,7 @@ which the manifest and every executor say.
 
 from __future__ import annotations
 
+import io
 import re
 from pathlib import Path
 
@@ -19,12 +20,14 @@ import torch
 from npumoe.backends.base import BackendBase
 from npumoe.backends.intel_npu.caps import INTEL_NPU_CAPS
 from npumoe.core.base.errors import ArtifactError, BackendUnavailableError, InputError
-from npumoe.core.ir.backend import Lowered, check_feed
+from npumoe.core.base.machine import available_memory
+from npumoe.core.ir.backend import DeviceMemoryFull, Lowered, check_feed
 from npumoe.core.ir.graph import Role
 
 FORMAT = "openvino-ir"
 GRAPH_DIR = "graphs"
 DEVICES = ("NPU", "CPU", "AUTO")
+HOST_SPARE = 4 << 30  # host memory the CPU device leaves free beside its graphs: the engine's and the machine's
 MASK_FLOOR = -1e4  # −inf does not survive fp16 arithmetic; exp(−10⁴) is 0 in every precision
 
 
@@ -65,12 +68,8 @@ class IntelNpuBackend(BackendBase):
                              "place it on the CPU in the plan.") from None
         rel = Path(GRAPH_DIR) / f"{graph.name}.xml"
         (Path(out_dir) / GRAPH_DIR).mkdir(parents=True, exist_ok=True)
-        onnx_path = Path(out_dir) / rel.with_suffix(".onnx")  # OpenVINO converts from a file
-        onnx_path.write_bytes(model.SerializeToString())
-        try:
-            converted = ov.convert_model(str(onnx_path))
-        finally:
-            onnx_path.unlink()
+        # converted from memory: an ONNX file would write the fp32 weights, twice the fp16 IR's bytes, to delete them
+        converted = ov.convert_model(io.BytesIO(model.SerializeToString()))
         name_nodes_by_position(converted)
         ov.save_model(converted, Path(out_dir) / rel, compress_to_fp16=True)
         names = [i.get_any_name() for i in converted.inputs]  # not "inputs": the manifest's, shapes by name
@@ -86,7 +85,12 @@ class IntelNpuBackend(BackendBase):
         # OpenVINO's CPU device would compute in bf16 where the CPU has it; the NPU computes in fp16, so stand-in
         # runs keep f32 and differ from the reference only by the fp16 weights
         config = {"INFERENCE_PRECISION_HINT": "f32"} if self.device == "CPU" else {}
-        compiled = self._core.compile_model(str(Path(out_dir) / artifact.info["xml"]), self.device, config)
+        xml = Path(out_dir) / artifact.info["xml"]
+        if self.device == "CPU" and available_memory() < HOST_SPARE + 2 * xml.with_suffix(".bin").stat().st_size:
+            # the CPU device's memory is the host's, which nothing else guards: it holds each graph's fp16 weights
+            # widened to f32, and a whole real-size build would fill the host until the kernel kills the process
+            raise DeviceMemoryFull("the host has no room for another graph on OpenVINO's CPU device")
+        compiled = self._core.compile_model(str(xml), self.device, config)
         return OpenVinoExecutor(compiled, graph, artifact.info["input_names"], self.device)
 
     def describe(self) -> dict:
@@ -125,6 +129,10 @@ class OpenVinoExecutor:
             feed[name] = np.maximum(arr, MASK_FLOOR) if self.graph.inputs[name].role == Role.MASK else arr
         result = self.request.infer(feed)
         return {name: torch.from_numpy(np.asarray(result[name], dtype=np.float32)) for name in self.outputs}
+
+    def close(self) -> None:
+        """Unloaded by residency: the compiled model's memory is freed now, not when the executor is collected."""
+        self.request = None
 
 
 __all__ = ["IntelNpuBackend", "INTEL_NPU_CAPS"]

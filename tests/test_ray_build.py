@@ -63,7 +63,7 @@ def lowered_here(monkeypatch):
 @needs_ray
 def test_a_killed_drivers_build_resumes_on_the_cluster_into_what_a_local_build_writes(
         model, npu_plan, cluster, lowered_here, tmp_path, monkeypatch, capsys):
-    """Layers 0-1 (8 units): layer 0's lowered on the cluster by a driver that stops there, as if killed; the
+    """Layers 0-1: layer 0's lowered on the cluster by a driver that stops there, as if killed; the
     CLI's build resumes from the shared cache, lowers layer 1's on both nodes, and writes a local build's bytes."""
     from npumoe.backends.ray_cluster import connected
 
@@ -79,10 +79,11 @@ def test_a_killed_drivers_build_resumes_on_the_cluster_into_what_a_local_build_w
           "--cluster", cluster, "--cache", str(cache)])
     remote = json.loads((out / "manifest.json").read_text())
     assert lowered_here == [] and sum(on_cluster.nodes_used.values()) == len(first["graphs"])  # all on the cluster
-    assert remote["files"] == local["files"] and len(local["files"]) == 16  # the same files, byte for byte (sha256)
+    assert remote["files"] == local["files"]  # the same files, byte for byte (sha256)
+    assert len(local["files"]) == 2 * len(local["graphs"])  # each graph's IR: its .xml and its .bin
     resumed = {name for name, g in remote["graphs"].items() if g["cached"]}
-    assert resumed == set(first["graphs"]) and len(resumed) == 4
-    assert f"{len(remote['graphs']) - 4} units lowered on 2 nodes" in capsys.readouterr().out
+    assert resumed == set(first["graphs"]) and 0 < len(resumed) < len(remote["graphs"])
+    assert f"{len(remote['graphs']) - len(resumed)} units lowered on 2 nodes" in capsys.readouterr().out
 
 
 def lower_toy(attempts: Path, then, unit_dir: Path) -> dict:

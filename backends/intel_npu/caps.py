@@ -25,6 +25,7 @@ PLUGIN = BackendPlugin(
     summary="Intel NPU (Core Ultra) through OpenVINO IR; runs here on OpenVINO's CPU device when no NPU is present",
     options=(BuildOption("device", "OpenVINO device to compile for: NPU (default when present), CPU or AUTO"),),
     conformance=FP16_CONFORMANCE,  # fp16 on the device; on the CPU stand-in only the fp16 weights differ
+    one_graph_per_weights=True,  # each compiled model holds its weights: docs/deploy.md, "Weights once on the HTP"
     program=ProgramTarget(lower="npumoe.backends.intel_npu.program:lower", libraries=("executorch_backend_openvino",),
                           device="intel_npu (OpenVINO, its CPU device here; the rest on ExecuTorch's CPU kernels)",
                           runner_setup="npumoe.backends.intel_npu.program:runner_setup"),

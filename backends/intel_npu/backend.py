@@ -20,14 +20,15 @@ import torch
 from npumoe.backends.base import BackendBase
 from npumoe.backends.intel_npu.caps import INTEL_NPU_CAPS
 from npumoe.core.base.errors import ArtifactError, BackendUnavailableError, InputError
-from npumoe.core.base.machine import available_memory
+from npumoe.core.base.machine import available_memory, physical_memory
 from npumoe.core.ir.backend import DeviceMemoryFull, Lowered, check_feed
 from npumoe.core.ir.graph import Role
 
 FORMAT = "openvino-ir"
 GRAPH_DIR = "graphs"
 DEVICES = ("NPU", "CPU", "AUTO")
-HOST_SPARE = 4 << 30  # host memory the CPU device leaves free beside its graphs: the engine's and the machine's
+# Host memory the CPU device leaves free beside its graphs, for the engine and the rest of the machine: half of it
+HOST_SPARE = max(4 << 30, physical_memory() // 2)
 MASK_FLOOR = -1e4  # −inf does not survive fp16 arithmetic; exp(−10⁴) is 0 in every precision
 
 

@@ -19,6 +19,14 @@ def available_memory() -> int:
     return 0
 
 
+def physical_memory() -> int:
+    """Bytes of RAM this machine has, or 0 if unknown."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        return 0
+
+
 @dataclass(frozen=True)
 class CpuSample:
     """Seconds at one instant: wall clock, the whole machine's busy CPU time (None where /proc/stat is absent) and

@@ -440,9 +440,9 @@ def _full(path: Path, targets: tuple[str, ...], work: Path | None, keep_builds: 
     result = {"checkpoint": str(path), "machine": {"cpus": os.cpu_count(), "ram_bytes": _ram()}}
     if work is None:
         with tempfile.TemporaryDirectory(prefix="npumoe-bench-scale-full-", dir=CACHE) as temporary:
-            result["full"] = run_full(path, Path(temporary), targets, console, measure)
+            result["full"] = run_full(path, Path(temporary), targets, console, measure, calibration_text)
     else:
-        result["full"] = run_full(path, work, targets, console, measure, keep_builds)
+        result["full"] = run_full(path, work, targets, console, measure, calibration_text, keep_builds)
     if as_json:
         click.echo(json.dumps(result, indent=1))
     else:

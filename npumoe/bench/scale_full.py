@@ -84,12 +84,11 @@ def open_work(work: Path, ckpt: Path) -> dict[str, dict]:
     return done
 
 
-def run_full(ckpt: Path, work: Path, targets: tuple[str, ...], console: Console, measure,
+def run_full(ckpt: Path, work: Path, targets: tuple[str, ...], console: Console, measure, calibration_text,
              keep_builds: bool = False) -> dict:
-    """Each command as a user runs it on the whole ``ckpt``, measured, for each target; the built artifacts'
-    figures, the device verdicts and the end-to-end agreement. Steps already in ``work``'s record are not run."""
-    from npumoe.bench.scale import calibration_text
-
+    """Each command as a user runs it on the whole ``ckpt``, measured by ``measure``, for each target; the built
+    artifacts' figures, the device verdicts and the end-to-end agreement. Steps already in ``work``'s record are not
+    run; ``calibration_text(work)`` writes the text calibrate reads where it is missing."""
     done = open_work(work, ckpt)
     text = work / "calibration.txt"
     if not text.exists():

@@ -362,3 +362,30 @@ def test_decode_graphs_per_layer_are_capped_by_widening_the_most_cut_groups(mode
         assert lp.predicted["decode_launches"] <= free.layers[i].predicted["decode_launches"] + 1e-9
     with pytest.raises(InputError, match="decode graphs per layer"):
         plan(model, profile, target="ane", decode_graphs_per_layer=0)
+
+
+def test_the_decode_graph_cap_defaults_to_what_the_target_devices_hold(model, profile, monkeypatch):
+    """The default cap is the most decode graphs a layer whose loaded overhead, over every MoE layer, stays within
+    the allowed share of what an app may hold on each of the target's devices; 16 where no device records one."""
+    import dataclasses
+
+    from npumoe.core.planning import DECODE_GRAPHS_PER_LAYER, GRAPH_OVERHEAD_SHARE
+    from npumoe.core.planning import plan as plan_module
+    from npumoe.core.planning.costmodel import devices
+
+    for target, layers in (("ane", 16), ("htp", 16), ("htp", 48), ("ane", 1)):
+        cap = plan_module.decode_graph_cap(target, layers)
+        found = [(GRAPH_OVERHEAD_SHARE * d.ram_gb * d.app_share * 1e9, layers * d.graph_overhead_mb * 1e6)
+                 for _, d in devices(target)]
+        assert all(cap.graphs * per_graph <= share for share, per_graph in found), (target, layers)
+        assert any((cap.graphs + 1) * per_graph > share for share, per_graph in found), (target, layers)
+        assert f"{layers} MoE layers" in cap.source and "MB a loaded graph" in cap.source
+    assert plan_module.decode_graph_cap("intel_npu", 16).graphs == DECODE_GRAPHS_PER_LAYER
+
+    real = plan_module.capabilities
+    monkeypatch.setattr(plan_module, "capabilities", lambda target: real(target) if target == "cpu" else
+                        dataclasses.replace(real(target), dispatch_seconds=0.0, weight_bytes_per_second=1e9))
+    monkeypatch.setattr(plan_module, "decode_graph_cap", lambda target, layers: plan_module.DecodeCap(3, "a record"))
+    default = plan(model, profile, target="ane", residency="npu").to_json()
+    assert default == plan(model, profile, target="ane", residency="npu", decode_graphs_per_layer=3).to_json()
+    assert default != plan(model, profile, target="ane", residency="npu", decode_graphs_per_layer=1000).to_json()

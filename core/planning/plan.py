@@ -42,13 +42,14 @@ from npumoe.core.base.io import read_json_artifact, write_output
 from npumoe.core.base.outputs import OutputKind, json_kind
 from npumoe.core.compiler.graphs import experts_graph
 from npumoe.core.compiler.program import ExpertGroup, StaticShape, build_program
-from npumoe.core.ir.backend import Capabilities, capabilities, plugin
+from npumoe.core.ir.backend import Capabilities, Device, capabilities, plugin
 from npumoe.core.ir.identity import check_weights
 from npumoe.core.ir.spec import ModelSpec
 from npumoe.core.ir.weights import expected_shapes, mlp_shapes
 from npumoe.core.planning import (
     DECODE,
     DECODE_GRAPHS_PER_LAYER,
+    GRAPH_OVERHEAD_SHARE,
     GRAPHS_PER_LAYER,
     METHODS,
     OVERFLOW_POLICIES,
@@ -525,19 +526,49 @@ def predict(loads: np.ndarray, groups: list[GroupPlan], overflow_cost: float) ->
     }
 
 
+@dataclass(frozen=True)
+class DecodeCap:
+    """Decode graphs per layer a target's devices allow, and where the figure comes from."""
+
+    graphs: int
+    source: str
+
+
+def decode_graph_cap(target: str, moe_layers: int) -> DecodeCap:
+    """At most this many decode graphs a layer: every MoE layer's, each costing its device's ``graph_overhead_mb``
+    once loaded, within ``GRAPH_OVERHEAD_SHARE`` of what one app may hold on the tightest of the target's devices;
+    ``DECODE_GRAPHS_PER_LAYER`` where no device records a per-graph overhead."""
+    priced = [d for d in plugin(target).devices if d.ram_gb and d.graph_overhead_mb]
+    if not priced or moe_layers < 1:
+        return DecodeCap(DECODE_GRAPHS_PER_LAYER, f"npumoe's fixed {DECODE_GRAPHS_PER_LAYER}: no {target} device "
+                                                  "records a per-graph overhead")
+
+    def allowed(d: Device) -> float:
+        return GRAPH_OVERHEAD_SHARE * d.ram_gb * d.app_share * 1e3 / (d.graph_overhead_mb * moe_layers)
+
+    tightest = min(priced, key=allowed)
+    return DecodeCap(max(1, int(allowed(tightest))),
+                     f"{GRAPH_OVERHEAD_SHARE:.0%} of the {tightest.ram_gb * tightest.app_share:.1f} GB an app may "
+                     f"hold on the {tightest.name} ({tightest.source('app_share')}), over {moe_layers} MoE layers at "
+                     f"{tightest.graph_overhead_mb:g} MB a loaded graph ({tightest.source('graph_overhead_mb')})")
+
+
 def plan(model, profile: RoutingProfile, target: str = "htp", overflow: str = "spill", residency: str = "auto",
          method: str = "optimal", max_overflow: float = 0.10, graphs_per_layer: int = GRAPHS_PER_LAYER,
-         decode_graphs_per_layer: int = DECODE_GRAPHS_PER_LAYER) -> Plan:
+         decode_graphs_per_layer: int | None = None) -> Plan:
     """Make a Plan for ``model`` on ``target`` from a calibration ``profile``.
 
     ``max_overflow`` and ``graphs_per_layer`` steer the optimiser: a larger spill budget, or more compiled
     shapes for the runtime to choose from (the layer's groups share them), buy less padding.
-    ``decode_graphs_per_layer`` caps a layer's decode graphs (a layer with more NPU groups keeps one each)."""
+    ``decode_graphs_per_layer`` caps a layer's decode graphs (a layer with more NPU groups keeps one each); None:
+    what the target's devices allow (:func:`decode_graph_cap`)."""
     spec: ModelSpec = model.spec
     for name, value, allowed in (("overflow", overflow, OVERFLOW_POLICIES), ("residency", residency, RESIDENCY),
                                  ("method", method, METHODS)):
         if value not in allowed:
             raise InputError(f"{name} {value!r} is not one of {', '.join(allowed)}.")
+    if decode_graphs_per_layer is None:
+        decode_graphs_per_layer = decode_graph_cap(target, len(spec.moe_layers)).graphs
     if decode_graphs_per_layer < 1:
         raise InputError(f"decode graphs per layer must be at least 1, not {decode_graphs_per_layer}.")
     profile.check_model(model)

@@ -25,6 +25,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from npumoe.core.base.errors import InputError
 from npumoe.core.base.native import cache_dir
 from npumoe.core.base.progress import task
 
@@ -322,23 +323,30 @@ def build_one_layer(ckpt: Path, work: Path, console: Console) -> list[dict]:
               help=f"Use this checkpoint instead of the one written once under {CACHE}.")
 @click.option("--steps", default=",".join(STEPS), show_default=True, help="Which commands to run, comma-separated.")
 @click.option("--full", is_flag=True,
-              help="Instead of --steps: calibrate, plan, build the whole model for the HTP and generate a 64-token "
-                   "prompt's 8 new tokens through the built artifacts; top-1 agreement with the CPU reference. The "
-                   "build (~ the checkpoint's size on disk) is deleted afterwards.")
+              help="Instead of --steps: calibrate the whole model once, then for each of --targets plan, build it "
+                   "whole and generate a 64-token prompt's 8 new tokens through the built artifacts; top-1 agreement "
+                   "with the CPU reference. Each build (~ the checkpoint's size on disk) is deleted once measured.")
+@click.option("--targets", default="htp,ane,intel_npu", show_default=True,
+              help="With --full: the targets to build and run, comma-separated.")
+@click.option("--work", "work_dir", type=click.Path(), default=None,
+              help="With --full: keep the profile, plans, build cache and the record of finished steps here (default: "
+                   "a temporary directory); started again with the same --work, a killed run skips the steps it "
+                   "finished and its build resumes from the cache.")
+@click.option("--keep-builds", is_flag=True, help="With --full --work: keep each target's build in the work directory.")
 @click.option("--cluster", is_flag=False, flag_value="local", default=None, metavar="[ADDRESS|local]",
               help="Instead of --steps: lower a one-layer cut's build units (or --layers') for intel_npu on 1, 2, ... "
                    "workers of this Ray cluster (alone: a local one of 1-CPU nodes on 127.0.0.1, one per core), each "
                    "from an empty build cache; wall time and speed-up per worker added, bytes checked against a "
                    "local build (pip install 'npumoe[cluster]').")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def bench_scale_command(model_name, layers, ckpt, steps, full, cluster, as_json):
+def bench_scale_command(model_name, layers, ckpt, steps, full, targets, work_dir, keep_builds, cluster, as_json):
     """Every command on a real-size checkpoint: wall time, peak private memory, peak RSS, bytes written.
 
     \b
     Examples:
       npumoe bench scale                                   # OLMoE-1B-7B-0924's config, 13.8 GB of bf16
       npumoe bench scale --model qwen3-30b-a3b --layers 8  # Qwen3-30B-A3B's widths, 8 of its 48 layers
-      npumoe bench scale --full                            # the whole model built for the HTP and run
+      npumoe bench scale --full --work runs/full           # the whole model built for each target and run
       npumoe bench scale --cluster ray://HEAD:10001        # one layer's build on 1, 2, ... of its workers
     """
     chosen = tuple(s.strip() for s in steps.split(",") if s.strip())
@@ -351,6 +359,16 @@ def bench_scale_command(model_name, layers, ckpt, steps, full, cluster, as_json)
     if full and cluster:
         raise click.BadParameter("--full builds on this machine; give --full or --cluster, not both.",
                                  param_hint="--cluster")
+    if full:
+        from npumoe.bench.scale_full import check_work, parse_targets
+
+        chosen_targets = parse_targets(targets)
+        if work_dir:
+            check_work(Path(work_dir))  # before a checkpoint is written
+        if keep_builds and not work_dir:
+            raise InputError("--keep-builds keeps the builds in the --work directory; give --work DIR too.")
+    elif work_dir or keep_builds or targets != "htp,ane,intel_npu":
+        raise InputError("--targets, --work and --keep-builds go with --full.")
     console = Console(stderr=as_json)
     cfg = MODELS[model_name]
     if ckpt:  # --layers cuts a given checkpoint (its shards linked, not copied)
@@ -363,7 +381,7 @@ def bench_scale_command(model_name, layers, ckpt, steps, full, cluster, as_json)
     else:
         path = write_random_checkpoint(cfg, CACHE / model_name)
     if full:
-        return _full(path, console, as_json)
+        return _full(path, chosen_targets, Path(work_dir) if work_dir else None, keep_builds, console, as_json)
     if cluster:
         return _cluster(path if layers else cut(path, 1, CACHE / f"{path.name}-cut-1"), cluster, console, as_json)
     with tempfile.TemporaryDirectory(prefix="npumoe-bench-scale-", dir=CACHE) as work:
@@ -415,13 +433,16 @@ def bench_scale_command(model_name, layers, ckpt, steps, full, cluster, as_json)
                   "counted); RSS counts both. Private memory is sampled every 5 ms.")
 
 
-def _full(path: Path, console: Console, as_json: bool) -> None:
+def _full(path: Path, targets: tuple[str, ...], work: Path | None, keep_builds: bool, console: Console,
+          as_json: bool) -> None:
     from npumoe.bench.scale_full import print_full, run_full
 
-    with tempfile.TemporaryDirectory(prefix="npumoe-bench-scale-full-", dir=CACHE) as work:
-        calibration_text(Path(work))
-        result = {"checkpoint": str(path), "machine": {"cpus": os.cpu_count(), "ram_bytes": _ram()},
-                  "full": run_full(path, Path(work), console, measure)}
+    result = {"checkpoint": str(path), "machine": {"cpus": os.cpu_count(), "ram_bytes": _ram()}}
+    if work is None:
+        with tempfile.TemporaryDirectory(prefix="npumoe-bench-scale-full-", dir=CACHE) as temporary:
+            result["full"] = run_full(path, Path(temporary), targets, console, measure, calibration_text)
+    else:
+        result["full"] = run_full(path, work, targets, console, measure, calibration_text, keep_builds)
     if as_json:
         click.echo(json.dumps(result, indent=1))
     else:

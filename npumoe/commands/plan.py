@@ -11,7 +11,14 @@ from npumoe.core.base.errors import InputError
 from npumoe.core.base.io import existing_file
 from npumoe.core.base.outputs import claim
 from npumoe.core.ir.backend import capabilities
-from npumoe.core.planning import DECODE_GRAPHS_PER_LAYER, GRAPHS_PER_LAYER, METHODS, OVERFLOW_POLICIES, RESIDENCY
+from npumoe.core.planning import (
+    DECODE_GRAPHS_PER_LAYER,
+    GRAPH_OVERHEAD_SHARE,
+    GRAPHS_PER_LAYER,
+    METHODS,
+    OVERFLOW_POLICIES,
+    RESIDENCY,
+)
 
 
 def read_texts(paths: tuple[str, ...]) -> dict[str, str]:
@@ -109,10 +116,13 @@ def print_overlap(console: Console, a, b) -> None:
 @click.option("--graphs-per-layer", default=GRAPHS_PER_LAYER, show_default=True, type=click.IntRange(1),
               help="Compiled NPU expert graphs per layer (optimal method), shared by its groups: each group gets "
                    "several shapes when it can, and the runtime launches the one that fits a chunk's routing.")
-@click.option("--decode-graphs-per-layer", default=DECODE_GRAPHS_PER_LAYER, show_default=True,
-              type=click.IntRange(1), help="At most this many decode graphs per layer: the cost model cuts a group "
-              "into graphs of fewer experts when a launch costs less than reading experts a token did not hit; "
-              "the cap bounds the graphs a build compiles and a device loads.")
+@click.option("--decode-graphs-per-layer", default=None, type=click.IntRange(1),
+              help="At most this many decode graphs per layer: the cost model cuts a group into graphs of fewer "
+              "experts when a launch costs less than reading experts a token did not hit; the cap bounds the graphs "
+              "a build compiles and a device loads. Default: what the target's device records allow, the MoE layers' "
+              f"decode graphs at each one's per-graph overhead within {GRAPH_OVERHEAD_SHARE:.0%} of what an app may "
+              f"hold on the tightest device ({DECODE_GRAPHS_PER_LAYER} where no device records an overhead); plan "
+              "prints the figure and its sources.")
 @click.option("--precision", default="fp16", show_default=True,
               help="Weights' precision the build will use (the target's --precision): what the device budget counts.")
 @click.option("--max-context", default=512, show_default=True, type=click.IntRange(1),
@@ -126,7 +136,7 @@ def plan_command(model_dir, profile_path, target, overflow, residency, method, m
     Example: npumoe plan --profile profile.json --target ane --residency npu --out plan.json
     """
     from npumoe.core.planning.costmodel import budget_lines, devices, footprint, weight_bits
-    from npumoe.core.planning.plan import PLAN, plan
+    from npumoe.core.planning.plan import PLAN, DecodeCap, decode_graph_cap, plan
     from npumoe.core.planning.profile import RoutingProfile
     from npumoe.models.loader import load
 
@@ -134,9 +144,11 @@ def plan_command(model_dir, profile_path, target, overflow, residency, method, m
     claim_outputs(out, PLAN, plot)
     weight_bits(target, precision)  # an unknown precision fails before any work
     model = load(model_dir)
+    cap = DecodeCap(decode_graphs_per_layer, "given by --decode-graphs-per-layer") if decode_graphs_per_layer \
+        else decode_graph_cap(target, len(model.spec.moe_layers))
     p = plan(model, RoutingProfile.load(profile_path), target=target, overflow=overflow, residency=residency,
              method=method, max_overflow=max_overflow, graphs_per_layer=graphs_per_layer,
-             decode_graphs_per_layer=decode_graphs_per_layer)
+             decode_graphs_per_layer=cap.graphs)
     p.save(out)
     table = Table("layer", "groups", "padded %", "overflow %", "launches / chunk", "decode launches", "decode MB",
                   caption="groups: experts, rows per shape, residency[, experts per decode graph]")
@@ -156,6 +168,7 @@ def plan_command(model_dir, profile_path, target, overflow, residency, method, m
                   f"of routed ({overflow}), NPU share {t['npu_share_pct']:.1f}% (per prefill chunk); a decode token "
                   f"launches {t['decode_launches']:.1f} expert graphs a layer, reading {t['decode_weight_mb']:.1f} MB "
                   f"of expert weights (fp16); wrote {out}")
+    click.echo(f"decode graphs per layer at most {cap.graphs}: {cap.source}")  # whole, as the verdicts below
     if devices(target):
         console.print(f"what each {target} device can hold of this build at {precision}, context {max_context} "
                       "(npumoe's estimate; each figure's source: npumoe compare --json):")

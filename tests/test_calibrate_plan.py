@@ -373,14 +373,14 @@ def test_the_decode_graph_cap_defaults_to_what_the_target_devices_hold(model, pr
     from npumoe.core.planning import plan as plan_module
     from npumoe.core.planning.costmodel import devices
 
-    for target, layers in (("ane", 16), ("htp", 16), ("htp", 48), ("ane", 1)):
+    for target, layers in (("ane", 16), ("htp", 16), ("htp", 48), ("ane", 1), ("intel_npu", 16)):
         cap = plan_module.decode_graph_cap(target, layers)
         found = [(GRAPH_OVERHEAD_SHARE * d.ram_gb * d.app_share * 1e9, layers * d.graph_overhead_mb * 1e6)
                  for _, d in devices(target)]
         assert all(cap.graphs * per_graph <= share for share, per_graph in found), (target, layers)
         assert any((cap.graphs + 1) * per_graph > share for share, per_graph in found), (target, layers)
         assert f"{layers} MoE layers" in cap.source and "MB a loaded graph" in cap.source
-    assert plan_module.decode_graph_cap("intel_npu", 16).graphs == DECODE_GRAPHS_PER_LAYER
+    assert plan_module.decode_graph_cap("mlx", 16).graphs == DECODE_GRAPHS_PER_LAYER  # its records price no graph
 
     real = plan_module.capabilities
     monkeypatch.setattr(plan_module, "capabilities", lambda target: real(target) if target == "cpu" else

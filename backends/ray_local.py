@@ -34,7 +34,8 @@ def free_port() -> int:
 
 def _start_node(args: list[str], log: Path) -> subprocess.Popen:
     # the CLI's module, run by this interpreter: a venv that sees ray through system site-packages has no bin/ray
-    return subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
+    return subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--block",
+                             "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
                              "--object-store-memory", str(80 << 20), "--disable-usage-stats",
                              "--include-log-monitor", "false", "--dashboard-agent-listen-port", str(free_port()),
                              *args], stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)

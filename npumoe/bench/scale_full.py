@@ -120,7 +120,8 @@ def run_full(ckpt: Path, work: Path, targets: tuple[str, ...], console: Console,
         resumed = cache.is_dir() and any(cache.iterdir())  # a killed build's units: its wall time is the rest's
         runs = [
             step(f"plan {target}", ["plan", *model, "--profile", str(profile), "--target", target, "--residency", "npu",
-                                    "--out", str(plan)], plan, figures=lambda _, t=target, p=plan: device_fit(ckpt, t, p)),
+                                    "--out", str(plan)], plan,
+                 figures=lambda _, t=target, p=plan: device_fit(ckpt, t, p)),
             step(f"build {target}", ["build", *model, "--plan", str(plan), "--target", target, "--out", str(build)],
                  None if generated else build / "manifest.json", {**os.environ, "NPUMOE_BUILD_CACHE": str(cache)},
                  figures=lambda _, t=target, b=build, r=resumed: {"resumed": r,

@@ -34,10 +34,18 @@ def uses_gemm(rows: int, bits: int, run: kernels.LutKernels | None = None) -> bo
     the exact dequantising GEMM takes over early there, whatever the machine. Measurements: docs/performance.md,
     "Prefill paths (LUT)".
     """
-    if bits > 4:
-        return rows * bits >= EXACT_GEMM_FROM
-    crossover = (run or _kernels()).crossovers.dequant
-    return crossover is not None and rows * bits >= crossover
+    dequant_from = path_crossovers(bits, run)[1]
+    return dequant_from > 0 and rows * bits >= dequant_from
+
+
+def path_crossovers(bits: int, run: kernels.LutKernels | None = None) -> tuple[int, int]:
+    """(int8_from rows, dequant_from rows × bits) at which a product of ``bits``-bit weights leaves the LUT-GEMV for
+    the int8 GEMM (:func:`uses_int8`) or the dequantising GEMM (:func:`uses_gemm`) on ``run`` 's build; 0: never. The
+    one statement of the rule: an exported program carries these numbers for the C side's choice
+    (``npumoe_lut_linear``)."""
+    crossovers = (run or _kernels()).crossovers
+    int8_from = crossovers.int8 or 0 if 3 <= bits <= 4 else 0
+    return int8_from, EXACT_GEMM_FROM if bits > 4 else crossovers.dequant or 0
 
 
 @functools.cache
@@ -152,8 +160,8 @@ def uses_int8(rows: int, bits: int, run: kernels.LutKernels | None = None) -> bo
     row one or two instructions per vector of weights once each tile is unpacked. Its error is the LUT-GEMV's kind
     and size (spec.int8_gemv; NMSE against fp32 3.5e-5 where the LUT-GEMV's is 5.7e-5 on Gaussian weights and
     activations). Measurements: docs/performance.md, "Prefill paths (LUT)" and "bench neon"."""
-    crossover = (run or _kernels()).crossovers.int8
-    return 3 <= bits <= 4 and crossover is not None and rows >= crossover
+    int8_from = path_crossovers(bits, run)[0]
+    return int8_from > 0 and rows >= int8_from
 
 
 # Rows up to which the bf16 GEMV beats widening the matrix for torch's fp32 GEMM, per ISA: the AVX-512 build wins to

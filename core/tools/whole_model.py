@@ -13,6 +13,7 @@ reference's whatever the capacities.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -22,11 +23,12 @@ from npumoe.core.compiler.graphs import experts_graph
 from npumoe.core.compiler.interpreter import OP_IMPLS, TorchGraphExecutor, evaluate
 from npumoe.core.compiler.program import ExpertGroup, Program
 from npumoe.core.ir.backend import EXPERT_REGION
+from npumoe.core.ir.graph import WEIGHT_PREFIX
 from npumoe.core.ir.rope import cos_sin
 from npumoe.core.ir.spec import ModelSpec
 from npumoe.core.ir.weights import expert
 from npumoe.core.runtime.router import route
-from npumoe.luts import experts_op
+from npumoe.luts import experts_op, linear_op
 
 MASKED = float("-inf")
 
@@ -46,6 +48,46 @@ def _batched_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = N
 
 
 EXPERT_OPS = {**OP_IMPLS, "linear": _batched_linear}
+PACKED_PARTS = ("tiles", "scales", "zeros")
+
+
+class PackedMatrix(NamedTuple):
+    """A packed linear's weight as the program holds it: the kernels' tiles, scales and zeros (empty: symmetric)."""
+
+    tiles: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    bits: int
+    group: int
+
+
+def _packed_linears(graphs, weights) -> dict[str, tuple[int, int]]:
+    """(bits, group) of each matrix held packed that these graphs only multiply by (a linear's weight) and that
+    ``npumoe::lut_linear_rows`` takes: run through npumoe's LUT kernels in place, never stored as fp32. The embedding
+    stays a table (it is indexed, not multiplied)."""
+    packed = getattr(weights, "packed", {})
+    uses = [(op.op, i, v[len(WEIGHT_PREFIX):]) for g in graphs for op in g.ops for i, v in enumerate(op.inputs)
+            if v.startswith(WEIGHT_PREFIX)]
+    other = {name for op, i, name in uses if (op, i) != ("linear", 1)} | {"embed.weight"}
+    chosen = {}
+    for name in {name for _, _, name in uses if name in packed} - other:
+        tiled = packed[name].tiled()
+        if linear_op.fits(tiled):
+            chosen[name] = tiled.bits, tiled.group
+    return chosen
+
+
+def _or_packed(linear: Callable, valid: torch.Tensor | None) -> Callable:
+    """The IR's linear, through ``npumoe::lut_linear_rows`` where its weight is a :class:`PackedMatrix` (over the
+    first ``valid`` rows of its input, or all)."""
+
+    def run(x, w, b=None):
+        if not isinstance(w, PackedMatrix):
+            return linear(x, w, b)
+        y = linear_op.lut_linear_rows(x, valid, w.tiles, w.scales, w.zeros, w.bits, w.group)
+        return y if b is None else y + b
+
+    return run
 
 
 def _scatter_rows(into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -263,9 +305,17 @@ class WholeModel(torch.nn.Module):
         spec = self.spec = program.spec
         self.program, self.chunk, self.max_context = program, program.chunk, program.max_context
         self.alias = {"lm_head.weight": "embed.weight"} if spec.tie_embeddings else {}
-        names = {n for g in program.graphs.values() if g.kind != "experts" for n in g.weight_names()}
+        graphs = [g for g in program.graphs.values() if g.kind != "experts"]
+        names = {n for g in graphs for n in g.weight_names()}
+        self.packed = _packed_linears(graphs, weights)  # weight name → (bits, group): npumoe::lut_linear_rows
         for name in sorted((names | {"embed.weight"}) - set(self.alias)):
-            self.register_buffer(_buffer_name(name), _fp32(weights[name]))
+            if name not in self.packed:
+                self.register_buffer(_buffer_name(name), _fp32(weights[name]))
+                continue
+            linear = weights.packed[name]
+            zeros = torch.zeros(0, dtype=torch.uint8) if linear.zeros is None else linear.zeros
+            for part, tensor in zip(PACKED_PARTS, (linear.tiles, linear.scales, zeros)):
+                self.register_buffer(f"{_buffer_name(name)}_{part}", tensor)
         ropes = [(ls.attention.rope, ls.attention.qk_rope_head_dim if ls.attention.kind == "mla"
                   else ls.attention.head_dim) for ls in spec.layers]
         self.rope_of = [ropes.index(rope) for rope in ropes]  # per layer, the first layer alike in rope
@@ -282,8 +332,16 @@ class WholeModel(torch.nn.Module):
                 self.moe[str(i)] = StaticMoE(spec, i, weights, step.moe.groups[program.chunk], program.chunk,
                                               expert_dtype)
 
-    def weight(self, name: str) -> torch.Tensor:
-        return getattr(self, _buffer_name(self.alias.get(name, name)))
+    def _impls(self, valid: torch.Tensor | None) -> Mapping[str, Callable]:
+        """The ops for a pass whose first ``valid`` rows are real (None: all): packed linears then compute those."""
+        return {**self.impls, "linear": _or_packed(self.impls["linear"], valid)} if self.packed else self.impls
+
+    def weight(self, name: str) -> torch.Tensor | PackedMatrix:
+        name = self.alias.get(name, name)
+        if name in self.packed:
+            return PackedMatrix(*(getattr(self, f"{_buffer_name(name)}_{part}") for part in PACKED_PARTS),
+                                *self.packed[name])
+        return getattr(self, _buffer_name(name))
 
     def prefill(self, tokens: torch.Tensor, start: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor,
                                                                                                  torch.Tensor]:
@@ -306,7 +364,7 @@ class WholeModel(torch.nn.Module):
         positions = start + torch.arange(seq)
         rope_rows = {key: (getattr(self, f"rope_cos_{key}").index_select(0, positions),
                            getattr(self, f"rope_sin_{key}").index_select(0, positions)) for key in set(self.rope_of)}
-        masks, tally = {}, torch.zeros(2, dtype=torch.int64)
+        masks, tally, impls = {}, torch.zeros(2, dtype=torch.int64), self._impls(valid)
         for i, step in enumerate(self.program.layers):
             window = spec.layers[i].attention.sliding_window
             if window not in masks:
@@ -315,27 +373,28 @@ class WholeModel(torch.nn.Module):
             cos, sin = rope_rows[self.rope_of[i]]
             out = evaluate(self.program.graphs[step.attention[seq]], {
                 "x": x, "cos": cos, "sin": sin, "mask": masks[window], "k_cache": k_cache, "v_cache": v_cache},
-                self.weight, self.impls)
+                self.weight, impls)
             # padding rows repeat the last real row's key and value at its slot, so every write is a real one
             source = torch.minimum(torch.arange(seq), valid - 1)
             k_cache[:, start + source] = out["k_new"].index_select(1, source)
             v_cache[:, start + source] = out["v_new"].index_select(1, source)
-            y, counted = self._feed_forward(i, out["z"], valid)
+            y, counted = self._feed_forward(i, out["z"], valid, impls)
             x, tally = out["h"] + y, tally + counted
         return x, tally
 
-    def _feed_forward(self, i: int, z: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _feed_forward(self, i: int, z: torch.Tensor, valid: torch.Tensor,
+                      impls: Mapping[str, Callable]) -> tuple[torch.Tensor, torch.Tensor]:
         step, seq, none = self.program.layers[i], z.shape[0], torch.zeros(2, dtype=torch.int64)
         if step.moe is None:
-            return evaluate(self.program.graphs[step.dense[seq]], {"z": z}, self.weight, self.impls)["y"], none
+            return evaluate(self.program.graphs[step.dense[seq]], {"z": z}, self.weight, impls)["y"], none
         moe = self.moe[str(i)]
         y, tally = (moe.decode(z), none) if seq == 1 else moe.prefill(z, valid)
         if step.moe.shared is not None:
-            y = y + evaluate(self.program.graphs[step.moe.shared[seq]], {"z": z}, self.weight, self.impls)["y"]
+            y = y + evaluate(self.program.graphs[step.moe.shared[seq]], {"z": z}, self.weight, impls)["y"]
         return y, tally
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return evaluate(self.program.graphs[self.program.lm_head[1]], {"x": x}, self.weight, self.impls)["logits"]
+        return evaluate(self.program.graphs[self.program.lm_head[1]], {"x": x}, self.weight, self._impls(None))["logits"]
 
 
 class Method(torch.nn.Module):

@@ -430,6 +430,21 @@ NPUMOE_API int npumoe_lut_gemm_i8(const lut_weight *w, const float *x, int m, fl
     return 0;
 }
 
+/* y [m][row_blocks*16] = x [m][k] · Wᵀ by the path npumoe::lut_linear takes for m rows (luts/torch_op.py,
+ * lut_product): the int8 GEMM from int8_from rows (3-4 bits, where the build and CPU have it), else the dequantising GEMM
+ * from dequant_from rows × bits, else the LUT-GEMV with 8-bit tables; 0 for a path: never. The crossovers come from the
+ * caller (an exported program carries those the exporting machine measured, luts/tuning.py), so a program and the
+ * engine choose alike. Returns -1 if a path cannot allocate. */
+NPUMOE_API int npumoe_lut_linear(const lut_weight *w, const float *x, int m, float *y, int int8_from, int dequant_from,
+                                 int threads) {
+    if (int8_from > 0 && m >= int8_from) {
+        const int status = npumoe_lut_gemm_i8(w, x, m, y, threads);
+        if (status != -2) return status;
+    }
+    if (dequant_from > 0 && m * w->bits >= dequant_from) return npumoe_lut_gemm(w, x, m, y, threads);
+    return npumoe_lut_gemv(w, x, m, 8, y, NULL, threads);
+}
+
 /* Several LUT-GEMVs of a few rows each (a prompt's experts below the int8 GEMM's rows, or at 1-2 bits) in two
  * parallel jobs: every row's 8-bit tables (an expert's gate and up share theirs), then every matrix's row blocks as one
  * run, each through the path npumoe_lut_gemv takes for its rows, so each result is that call's, bit for bit. */

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from npumoe.bench.decode import bench_model_path, model_options
 from npumoe.core.base.progress import task
+from npumoe.models.checkpoints import LINEARS
 from npumoe.models.demo import corpus
 
 POLL_SECONDS = 0.005
@@ -150,18 +151,20 @@ def render(result: dict, console: Console) -> None:
 @click.option("--chunk", default=64, show_default=True, type=click.IntRange(1), help="The program's prefill chunk.")
 @click.option("--max-context", default=512, show_default=True, type=click.IntRange(2), help="KV cache length.")
 @click.option("--bits", type=click.Choice(["2", "4"]), default=None,
-              help="Quantise the routed experts to this many bits first (npumoe quantize --linears experts, into a "
-                   "scratch directory): the program runs them through npumoe's LUT kernels as custom ops.")
+              help="Quantise to this many bits first (npumoe quantize, into a scratch directory under $TMPDIR): the "
+                   "program runs the packed matrices through npumoe's LUT kernels as custom ops.")
+@click.option("--linears", type=click.Choice(list(LINEARS)), default="all", show_default=True,
+              help="With --bits: the linears quantised (npumoe quantize --linears).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 def bench_export_command(model_name, layers, plan_path, prompt_bytes, tokens, rounds, chunk, max_context, bits,
-                         as_json):
+                         linears, as_json):
     """npumoe-run against npumoe's engine on one cpu program: tokens/s, µs per layer, peak anonymous memory.
 
     \b
     Examples:
       npumoe bench export                                      # the demo model, no plan
       npumoe bench export --plan plan.json                     # the plan's static dispatch in both
-      npumoe bench export --model olmoe-1b-7b --layers 1 --tokens 16 --rounds 2 --bits 4   # the memory check
+      npumoe bench export --model olmoe-1b-7b --layers 1 --tokens 16 --rounds 1 --bits 4   # the memory check
     """
     from npumoe.core.planning.plan import Plan
     from npumoe.core.tools.export import export
@@ -172,10 +175,10 @@ def bench_export_command(model_name, layers, plan_path, prompt_bytes, tokens, ro
     with tempfile.TemporaryDirectory() as scratch:
         source = bench_model_path(model_name, layers)
         if bits:
-            with task(f"quantising the experts to {bits} bits"):
+            with task(f"quantising to {bits} bits ({LINEARS[linears]})"):
                 source = Path(scratch) / "quantised"
                 quantize_checkpoint(load(bench_model_path(model_name, layers)).path, source, bits=int(bits),
-                                    group=64, linears="experts", progress=False)
+                                    group=64, linears=linears, progress=False)
         with task("loading"):
             model = load(source, dtype="float32")
         text = corpus.heldout_texts(1)[0][:prompt_bytes]
@@ -187,7 +190,7 @@ def bench_export_command(model_name, layers, plan_path, prompt_bytes, tokens, ro
         with task(f"{rounds} rounds of each"):
             result = measure(model, plan, directory, ids, tokens, rounds, max_context)
         result["model_pte_mb"] = (directory / "model.pte").stat().st_size / 1e6
-        result.update(memory_bound(model, max_context), bits=bits and int(bits))
+        result.update(memory_bound(model, max_context), bits=bits and int(bits), linears=bits and linears)
     if as_json:
         click.echo(json.dumps(result, indent=1))
     else:

@@ -1,9 +1,11 @@
 // npumoe's LUT kernels as ExecuTorch kernels: npumoe::lut_swiglu_experts.out, a layer's routed SwiGLU experts over
-// stacked packed matrices (npumoe/luts/experts_op.py defines the op for export and runs the same C function eagerly).
+// stacked packed matrices, and npumoe::lut_linear_rows.out, one packed linear (npumoe/luts/experts_op.py and
+// linear_op.py define the ops for export and run the same C functions eagerly).
 // The matrices are the program's constants, read where the loader put them (mapped pages), never copied.
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <thread>
 
@@ -17,6 +19,14 @@ typedef struct {
 int npumoe_lut_swiglu_rows(const npumoe_lut_stack* gate, const npumoe_lut_stack* up, const npumoe_lut_stack* down,
                            const int64_t* ids, const float* weights, int rows, int k, const float* x, float* y,
                            int threads);
+typedef struct {
+  const uint8_t* tiles;
+  const uint16_t* scales;
+  const uint8_t* zeros;
+  int row_blocks, k, bits, group;
+} lut_weight;
+int npumoe_lut_linear(const lut_weight* w, const float* x, int m, float* y, int int8_from, int dequant_from,
+                      int threads);
 }
 
 namespace {
@@ -66,6 +76,32 @@ Tensor& lut_swiglu_experts_out(KernelRuntimeContext& ctx, const Tensor& x, const
   return out;
 }
 
+// The first valid[0] rows of x (a prefill chunk's real rows; the padding's outputs are zero), so that a short prompt
+// takes the path the engine takes for its rows.
+Tensor& lut_linear_rows_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& valid, const Tensor& tiles,
+                            const Tensor& scales, const Tensor& zeros, int64_t bits, int64_t group,
+                            int64_t out_features, int64_t int8_from, int64_t dequant_from, Tensor& out) {
+  ET_KERNEL_CHECK(ctx,
+                  x.dim() == 2 && tiles.dim() == 4 && x.scalar_type() == ScalarType::Float &&
+                      out.scalar_type() == ScalarType::Float && scales.scalar_type() == ScalarType::Half &&
+                      tiles.size(0) * 16 == out_features && x.size(1) == tiles.size(1) * 32 && tiles.size(2) == bits &&
+                      out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == out_features &&
+                      valid.scalar_type() == ScalarType::Long && valid.numel() == 1,
+                  InvalidArgument, out);
+  const lut_weight w = {tiles.const_data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.const_data_ptr()),
+                        zeros.numel() ? zeros.const_data_ptr<uint8_t>() : nullptr, static_cast<int>(tiles.size(0)),
+                        static_cast<int>(x.size(1)), static_cast<int>(bits), static_cast<int>(group)};
+  const int rows = static_cast<int>(std::clamp<int64_t>(valid.const_data_ptr<int64_t>()[0], 0, x.size(0)));
+  float* y = out.mutable_data_ptr<float>();
+  const int status = rows ? npumoe_lut_linear(&w, x.const_data_ptr<float>(), rows, y, static_cast<int>(int8_from),
+                                              static_cast<int>(dequant_from), threads())
+                          : 0;
+  ET_KERNEL_CHECK_MSG(ctx, status == 0, MemoryAllocationFailed, out, "npumoe::lut_linear_rows failed (%d)", status);
+  std::fill(y + static_cast<size_t>(rows) * out_features, y + out.numel(), 0.0f);
+  return out;
+}
+
 }  // namespace
 
 EXECUTORCH_LIBRARY(npumoe, "lut_swiglu_experts.out", lut_swiglu_experts_out);
+EXECUTORCH_LIBRARY(npumoe, "lut_linear_rows.out", lut_linear_rows_out);

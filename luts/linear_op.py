@@ -1,0 +1,67 @@
+"""``npumoe::lut_linear_rows``: one packed linear over rows of activations, as an exported program runs it.
+
+``npumoe::lut_linear`` (:mod:`npumoe.luts.torch_op`) is the engine's op; this sibling is what ExecuTorch can emit and
+the native runner can run: an ``.out`` overload, a fake kernel for ``torch.export``, symmetric weights as empty zeros,
+and the path choice's crossovers as arguments (the runner cannot measure them), so that eagerly and in npumoe-run it
+calls one C function, ``npumoe_lut_linear`` of ``luts/csrc``, which takes the path the engine's op takes for as many
+rows (the LUT-GEMV for decode rows, the int8 or dequantising GEMM for a prompt's). The tiles, scales and zeros are
+program constants, read where the loader mapped them (core/tools/npumoe_run/lut_ops.cpp registers the same name).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from npumoe.luts import layout, torch_op
+
+ARGS = ("Tensor x, Tensor valid, Tensor tiles, Tensor scales, Tensor zeros, int bits, int group, int out_features, "
+        "int int8_from, int dequant_from")
+_LIB = torch.library.Library("npumoe", "FRAGMENT")
+_LIB.define(f"lut_linear_rows({ARGS}) -> Tensor")
+_LIB.define(f"lut_linear_rows.out({ARGS}, *, Tensor(a!) out) -> Tensor(a!)")
+
+
+def fits(weight: layout.TiledWeight) -> bool:
+    """Does the op take this matrix (whole row blocks: its outputs are the kernels' rows, unpadded)?"""
+    return weight.shape[0] % layout.ROWS == 0
+
+
+def _out(x, valid, tiles, scales, zeros, bits, group, out_features, int8_from, dequant_from, *, out):
+    weight = torch_op._tiled(tiles, scales, zeros if zeros.numel() else None, bits, group, out_features,
+                             tiles.shape[1] * layout.TILE_K)
+    if not fits(weight) or x.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"npumoe::lut_linear_rows takes rows [M, {weight.shape[1]}] and whole row blocks")
+    x, rows = x.to(torch.float32).contiguous(), max(0, min(int(valid[0]), x.shape[0]))
+    if rows:
+        torch_op._kernels().calls.lut_linear_at(weight, x.data_ptr(), rows, out.data_ptr(), int8_from, dequant_from,
+                                                torch_op.kernel_threads())
+    out[rows:] = 0
+    return out
+
+
+def _functional(x, valid, tiles, *args):
+    return _out(x, valid, tiles, *args, out=torch.empty(x.shape[0], tiles.shape[0] * layout.ROWS))
+
+
+def _fake(x, valid, tiles, scales, zeros, bits, group, out_features, *args, **kwargs):
+    return kwargs["out"] if "out" in kwargs else x.new_empty((x.shape[0], out_features), dtype=torch.float32)
+
+
+_LIB.impl("lut_linear_rows", _functional, "CPU")
+_LIB.impl("lut_linear_rows.out", _out, "CPU")
+torch.library.register_fake("npumoe::lut_linear_rows", _fake, lib=_LIB)
+torch.library.register_fake("npumoe::lut_linear_rows.out", _fake, lib=_LIB)
+
+
+def lut_linear_rows(x: torch.Tensor, valid: torch.Tensor | None, tiles: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """y [..., N] = x [..., K] · Wᵀ (fp32) for W the tiled matrix (zeros empty: symmetric), by the path this machine's
+    crossovers give for the real rows (:func:`npumoe.luts.torch_op.path_crossovers`): the first ``valid`` [1] (int64)
+    of x's rows, or all of them (None); the others (a prefill chunk's padding) come out zero. The engine computes
+    only the real rows, so a short prompt takes the engine's path, not the padded chunk's."""
+    out_features = tiles.shape[0] * layout.ROWS
+    rows = x.reshape(-1, x.shape[-1])
+    valid = torch.full((1,), rows.shape[0], dtype=torch.int64) if valid is None else valid
+    y = torch.ops.npumoe.lut_linear_rows(rows, valid, tiles, scales, zeros, bits, group, out_features,
+                                         *torch_op.path_crossovers(bits))
+    return y.reshape(*x.shape[:-1], out_features)

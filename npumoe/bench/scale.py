@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from npumoe.core.base.errors import InputError
+from npumoe.core.base.machine import physical_memory
 from npumoe.core.base.native import cache_dir
 from npumoe.core.base.progress import task
 
@@ -313,6 +314,9 @@ def build_one_layer(ckpt: Path, work: Path, console: Console) -> list[dict]:
     return results
 
 
+FULL_TARGETS = "htp,ane,intel_npu"  # what --full builds and runs unless --targets names others
+
+
 @click.command("scale")
 @click.option("--model", "model_name", type=click.Choice(sorted(MODELS)), default="olmoe-1b-7b", show_default=True,
               help="Whose exact config the random-weight checkpoint takes.")
@@ -326,7 +330,7 @@ def build_one_layer(ckpt: Path, work: Path, console: Console) -> list[dict]:
               help="Instead of --steps: calibrate the whole model once, then for each of --targets plan, build it "
                    "whole and generate a 64-token prompt's 8 new tokens through the built artifacts; top-1 agreement "
                    "with the CPU reference. Each build (~ the checkpoint's size on disk) is deleted once measured.")
-@click.option("--targets", default="htp,ane,intel_npu", show_default=True,
+@click.option("--targets", default=FULL_TARGETS, show_default=True,
               help="With --full: the targets to build and run, comma-separated.")
 @click.option("--work", "work_dir", type=click.Path(), default=None,
               help="With --full: keep the profile, plans, build cache and the record of finished steps here (default: "
@@ -367,7 +371,7 @@ def bench_scale_command(model_name, layers, ckpt, steps, full, targets, work_dir
             check_work(Path(work_dir))  # before a checkpoint is written
         if keep_builds and not work_dir:
             raise InputError("--keep-builds keeps the builds in the --work directory; give --work DIR too.")
-    elif work_dir or keep_builds or targets != "htp,ane,intel_npu":
+    elif work_dir or keep_builds or targets != FULL_TARGETS:
         raise InputError("--targets, --work and --keep-builds go with --full.")
     console = Console(stderr=as_json)
     cfg = MODELS[model_name]
@@ -388,7 +392,7 @@ def bench_scale_command(model_name, layers, ckpt, steps, full, targets, work_dir
         results = run_steps(path, Path(work), chosen, console)
         # the quantised checkpoint as npumoe.load holds it by default: packed matrices at their packed size
         int4_bytes = int4_decode_bytes(Path(work) / "int4") if "generate-int4" in chosen else None
-    result = {"checkpoint": str(path), "machine": {"cpus": os.cpu_count(), "ram_bytes": _ram()}, "steps": results}
+    result = {"checkpoint": str(path), "machine": _machine(), "steps": results}
     if "generate" in chosen or int4_bytes:
         bandwidth = mapped_reader(path)()  # the source's mapped weights, probed once for both bounds
     if "generate" in chosen:
@@ -437,7 +441,7 @@ def _full(path: Path, targets: tuple[str, ...], work: Path | None, keep_builds: 
           as_json: bool) -> None:
     from npumoe.bench.scale_full import print_full, run_full
 
-    result = {"checkpoint": str(path), "machine": {"cpus": os.cpu_count(), "ram_bytes": _ram()}}
+    result = {"checkpoint": str(path), "machine": _machine()}
     if work is None:
         with tempfile.TemporaryDirectory(prefix="npumoe-bench-scale-full-", dir=CACHE) as temporary:
             result["full"] = run_full(path, Path(temporary), targets, console, measure, calibration_text)
@@ -453,7 +457,7 @@ def _cluster(path: Path, address: str, console: Console, as_json: bool) -> None:
     from npumoe.bench.scale_cluster import print_cluster, run_cluster
 
     with tempfile.TemporaryDirectory(prefix="npumoe-bench-scale-cluster-", dir=CACHE) as work:
-        result = {"checkpoint": str(path), "machine": {"cpus": os.cpu_count(), "ram_bytes": _ram()},
+        result = {"checkpoint": str(path), "machine": _machine(),
                   "cluster": run_cluster(path, address, Path(work), calibration_text(Path(work)))}
     if as_json:
         click.echo(json.dumps(result, indent=1))
@@ -461,5 +465,5 @@ def _cluster(path: Path, address: str, console: Console, as_json: bool) -> None:
         print_cluster(result, console)
 
 
-def _ram() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def _machine() -> dict:
+    return {"cpus": os.cpu_count(), "ram_bytes": physical_memory()}

@@ -160,23 +160,40 @@ class Sampler(threading.Thread):
 
 def measure(argv: list[str], env: dict | None = None) -> dict:
     """Run ``npumoe *argv`` in a fresh process (with ``env`` as its environment, if given); wall time, peaks,
-    bytes written, its stdout and its stderr's last line."""
-    with task(f"npumoe {argv[0]}, measured in its own process"):
+    bytes written, its stdout and its stderr's last line. While it runs, the bench's own line carries the child's
+    latest progress line (its count and time left), which a piped child prints every few seconds."""
+    with task(f"npumoe {argv[0]}, measured in its own process") as step:
         start = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-c", "from npumoe.cli import main; main()", *argv],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         sampler = Sampler(proc.pid)
         sampler.start()
-        out, err = proc.communicate()
+        lines: list[str] = []
+        reader = threading.Thread(target=_follow, args=(proc.stderr, lines, step, argv[0]), daemon=True)
+        reader.start()
+        out = proc.stdout.read()
+        proc.wait()
+        reader.join()
         wall = time.perf_counter() - start
         sampler.done.set()
         sampler.join()
+    err = "\n".join(lines)
     if proc.returncode:
         raise click.ClickException(f"npumoe {' '.join(argv)} failed ({proc.returncode}): {err.strip()[-2000:]}")
-    last = [line for line in err.strip().splitlines() if line.startswith("[")]
+    last = [line for line in lines if line.startswith("[")]
     return {"command": " ".join(argv), "seconds": wall, "peak_anon_bytes": sampler.peak_anon,
             "peak_rss_bytes": sampler.peak_rss, "written_bytes": sampler.written, "summary": last[-1] if last else "",
             "stdout": out}
+
+
+def _follow(stream, lines: list[str], step, command: str) -> None:
+    """Every line of a child's stderr into ``lines``; its progress lines (``what: 3/9 units, 00:31 elapsed, ~01:12
+    left``) also into the bench's ``step``."""
+    for line in stream:
+        lines.append(line.rstrip("\n"))
+        if " elapsed" in line:
+            shown = ", ".join(part for part in line.strip().split(", ") if not part.endswith(" elapsed"))
+            step.describe(f"npumoe {command} ({shown}), measured in its own process")
 
 
 def bf16_decode_bytes(ckpt: Path) -> int:

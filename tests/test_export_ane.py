@@ -42,7 +42,7 @@ def exported(demo, tmp_path_factory):
     plan = Plan.from_json(npumoe.plan(demo, profile, target="ane", residency="npu").to_json())
     plan.dense_placement = "cpu"  # as the program keeps them: attention, dense parts and head on ExecuTorch's CPU
     out = tmp_path_factory.mktemp("export") / "demo-ane"
-    return out, export(demo, "ane", out, plan=plan, max_context=CONTEXT)
+    return out, export(demo, "ane", out, plan=plan, max_context=CONTEXT, decode_on="npu")
 
 
 @pytest.fixture(scope="module")

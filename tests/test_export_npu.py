@@ -61,7 +61,7 @@ def plan(demo, target):
 def exported(demo, target, plan, tmp_path_factory):
     """Exported once per target: QNN's compile is slow."""
     out = tmp_path_factory.mktemp("export") / f"demo-{target}"
-    return out, export(demo, target, out, plan=plan, max_context=CONTEXT)
+    return out, export(demo, target, out, plan=plan, max_context=CONTEXT, decode_on="npu")
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +114,12 @@ def test_the_runner_links_the_delegate_but_neither_python_nor_torch(target, expo
 
 def test_a_disaggregated_program_decodes_on_the_cpu_with_the_same_tokens(demo, target, plan, ids, device_tokens,
                                                                         tmp_path):
-    """--decode-on cpu: prefill delegated to the device, decode lowered for the CPU (XNNPACK), in one program."""
+    """Without --decode-on the cost model places decode: the demo's step is all launches, so prefill is delegated
+    to the device and decode lowered for the CPU (XNNPACK), in one program."""
     if target != "htp":
         pytest.skip("checked on htp, the seed's disaggregated target: one more export per target costs CI time")
-    manifest = export(demo, target, tmp_path / "split", plan=plan, max_context=CONTEXT, decode_on="cpu")
+    manifest = export(demo, target, tmp_path / "split", plan=plan, max_context=CONTEXT)
     assert [manifest["methods"][m]["device"].split()[0] for m in ("prefill", "decode")] == ["htp", "cpu"]
+    placement = manifest["decode_placement"]
+    assert placement["chosen_by"] == "cost model" and placement["cpu_seconds"] < placement["npu_seconds"]
     assert generated(tmp_path / "split", ids)["tokens"] == device_tokens

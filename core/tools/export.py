@@ -29,6 +29,7 @@ from npumoe.core.compiler.interpreter import OP_IMPLS
 from npumoe.core.compiler.program import build_program
 from npumoe.core.ir.backend import ProgramTarget, RunnerSetup, plugin, plugin_object, plugins
 from npumoe.core.ir.rope import short_context
+from npumoe.core.planning.placement import decode_placement
 from npumoe.core.runtime.engine import DEFAULT_CHUNK, DEFAULT_MAX_CONTEXT
 from npumoe.core.tools import native_runner
 from npumoe.core.tools.whole_model import Method, WholeModel
@@ -76,6 +77,14 @@ def export(model, target: str, out: str | Path, plan=None, chunk: int | None = N
         if decode_on == "npu" and target == CPU:
             raise InputError("--decode-on npu needs an NPU target; target cpu decodes on the CPU (leave --decode-on "
                              "out).")
+        if target == CPU:
+            placement = {"on": CPU}
+        elif decode_on is None:
+            chosen = decode_placement(model.spec, target, plan)
+            decode_on, placement = chosen.on, chosen.to_json()
+            report(chosen.reason())
+        else:
+            placement = {"on": decode_on, "chosen_by": "--decode-on"}
         decoder = program_target(CPU) if decode_on == "cpu" else record
         devices = {"prefill": record.device, "decode": decoder.device}
         if getattr(model.weights, "packed", None) and target != CPU:
@@ -101,7 +110,8 @@ def export(model, target: str, out: str | Path, plan=None, chunk: int | None = N
                     "fingerprint": model.fingerprint, "weights": model.weights_fingerprint(),
                     "plan": None if plan is None else {"target": plan.target, "method": plan.method,
                                                        "overflow": plan.overflow},
-                    "methods": methods(program, devices), "tokenizer": tokenizer and tokenizer.name,
+                    "methods": methods(program, devices), "decode_placement": placement,
+                    "tokenizer": tokenizer and tokenizer.name,
                     "runner": RUNNER}
         report(f"exporting {model.name}: {model.spec.num_layers} layers, chunk {program.chunk}, context "
                f"{program.max_context}, {'plan for ' + plan.target if plan else 'no plan'}")

@@ -24,8 +24,9 @@ from npumoe.core.runtime import DEFAULT_CHUNK
 @click.option("--max-context", default=None, type=click.IntRange(1),
               help="KV cache length [default: min(model max, 512)].")
 @click.option("--decode-on", type=click.Choice(["npu", "cpu"]), default=None,
-              help="Where the decode method runs: on the target's device (npu, the default) or on the CPU "
-                   "(disaggregated: the device prefills; decode is bound by weight bytes and launch cost).")
+              help="Where the decode method runs: on the target's device (npu) or on the CPU (disaggregated: the "
+                   "device prefills). Default: whichever the cost model gives the shorter decode step, as decode is "
+                   "bound by the experts' weight bytes and the NPU's launch cost (a small model decodes on the CPU).")
 def export_command(model_dir, target, out, plan_path, chunk, max_context, decode_on):
     """Export a model as one ExecuTorch program (prefill and decode over one KV cache) and build npumoe-run, a
     native runner that needs neither Python nor torch.

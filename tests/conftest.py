@@ -14,9 +14,17 @@ import pytest  # noqa: E402
 
 @pytest.fixture(autouse=True, scope="session")
 def private_build_cache(tmp_path_factory):
-    """Builds in the tests lower through a cache of their own, not the user's ~/.cache/npumoe/builds."""
+    """Builds in the tests lower through a cache of their own, not the user's ~/.cache/npumoe/builds: one for
+    the run, shared by its xdist workers (the directory above each worker's), so a unit two test files build
+    is compiled once (the cache's lock makes the second wait for the first). A test of the builder itself
+    builds into an empty cache of its own."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    cache = root / "build-cache"
+    cache.mkdir(exist_ok=True)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("NPUMOE_BUILD_CACHE", str(tmp_path_factory.mktemp("build-cache")))
+        patch.setenv("NPUMOE_BUILD_CACHE", str(cache))
         yield
 
 
@@ -31,3 +39,4 @@ def pytest_generate_tests(metafunc):
 
         chosen = metafunc.config.getoption("backend") or list(plugins())
         metafunc.parametrize("conformance_target", chosen, scope="module")
+

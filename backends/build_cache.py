@@ -18,8 +18,10 @@ a damaged file is never linked into, and signed by, a new manifest.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import json
@@ -100,8 +102,26 @@ class BuildCache:
         """The unit's entries and whether they came from the cache; ``lower(dir)`` writes the unit's files
         under ``dir`` and returns its entries (graph name → entry, paths relative to ``dir``), each of
         which gains ``seconds`` (compile time). A cached unit whose files fail verification is lowered again."""
-        done = self.root / key
         if (cached := self.verified(key)) is not None:
+            self.hits += 1
+            return cached, True
+        with self._lowering(key):
+            return self._fill_locked(key, lower)
+
+    @contextlib.contextmanager
+    def _lowering(self, key: str):
+        """One process lowers a unit at a time: another asking for it waits, then links what the first stored
+        (two builds, or two test workers sharing a cache, never compile the same unit at once)."""
+        with open(self.root / f".{key}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _fill_locked(self, key: str, lower: Callable[[Path], dict]) -> tuple[dict, bool]:
+        done = self.root / key
+        if (cached := self.verified(key)) is not None:  # lowered by whoever held the lock before us
             self.hits += 1
             return cached, True
         if done.exists():  # damaged, or from before files were recorded: replaced, never linked again

@@ -195,3 +195,37 @@ def test_a_damaged_cache_entry_is_built_again_not_signed(model, cpu_plan, lowere
     lowered.clear()
     build(model, cpu_plan, "cpu", tmp_path / "c", progress=False)
     assert lowered == []  # the rebuilt entry is cached again
+
+
+def _fill_slowly(root: str, log: str, start) -> None:
+    """A unit lowered in half a second, each lowering logged: what a second process asking for it must wait on."""
+    import time
+
+    from npumoe.backends.build_cache import BuildCache
+
+    def lower(unit_dir):
+        with open(log, "a") as f:
+            f.write("lowered\n")
+        time.sleep(0.5)
+        (unit_dir / "unit.bin").write_text("unit")
+        return {"g": {"files": ["unit.bin"]}}
+
+    start.wait()
+    BuildCache(root).fill("k" * 32, lower)
+
+
+def test_two_processes_asking_for_one_unit_lower_it_once(tmp_path):
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    start = context.Event()
+    workers = [context.Process(target=_fill_slowly, args=(str(tmp_path / "cache"), str(tmp_path / "log"), start))
+               for _ in range(2)]
+    for w in workers:
+        w.start()
+    start.set()
+    for w in workers:
+        w.join(60)
+    assert [w.exitcode for w in workers] == [0, 0]
+    assert (tmp_path / "log").read_text() == "lowered\n"  # the second linked what the first stored
+    assert (tmp_path / "cache" / ("k" * 32) / "unit.bin").read_text() == "unit"

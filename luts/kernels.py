@@ -110,7 +110,7 @@ _SIGNATURES = {
     "npumoe_lut_dequant": ([_W, _P, _I], None),
     "npumoe_lut_gemm": ([_W, _P, _I, _P, _I], ctypes.c_int),
     "npumoe_lut_gemm_i8": ([_W, _P, _I, _P, _I], ctypes.c_int),
-    "npumoe_lut_linear": ([_W, _P, _I, _P, _I, _I, _I], ctypes.c_int),
+    "npumoe_lut_linear": ([_W, _P, _I, _I, _P, _I, _I, _I], ctypes.c_int),
     "npumoe_stream_read": ([_P, ctypes.c_size_t, _I, ctypes.c_size_t], ctypes.c_uint64),
     "npumoe_bf16_gemv": ([_P, _P, _I, _I, _I, _P, _I], ctypes.c_int),
     "npumoe_bf16_gemv_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
@@ -297,10 +297,12 @@ class NativeCalls:
             raise MemoryError("the int8 GEMM could not allocate its quantised activations")
         return status == 0
 
-    def lut_linear_at(self, w, x: int, rows: int, y: int, int8_from: int, dequant_from: int, threads: int) -> None:
-        """y [rows, row_blocks·16] = x [rows, k] · Wᵀ by address, the path chosen in C from the crossovers given (0:
-        never): what ``npumoe::lut_linear_rows`` runs, eagerly and in the native runner."""
-        if self.lib.npumoe_lut_linear(w.native, x, rows, y, int8_from, dequant_from, threads):
+    def lut_linear_at(self, w, x: int, rows: int, valid: int, y: int, int8_from: int, dequant_from: int,
+                      threads: int) -> None:
+        """y [rows, row_blocks·16] = x [rows, k] · Wᵀ by address for the first ``valid`` rows (the others zero), by
+        the path chosen in C for all ``rows`` from the crossovers given (0: never): what ``npumoe::lut_linear_rows``
+        runs, eagerly and in the native runner."""
+        if self.lib.npumoe_lut_linear(w.native, x, rows, valid, y, int8_from, dequant_from, threads):
             raise MemoryError("the packed linear could not allocate its scratch")
 
     def gemm_i8_many_at(self, tasks: list[tuple], threads: int) -> bool:

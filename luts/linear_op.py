@@ -3,8 +3,8 @@
 ``npumoe::lut_linear`` (:mod:`npumoe.luts.torch_op`) is the engine's op; this sibling is what ExecuTorch can emit and
 the native runner can run: an ``.out`` overload, a fake kernel for ``torch.export``, symmetric weights as empty zeros,
 and the path choice's crossovers as arguments (the runner cannot measure them), so that eagerly and in npumoe-run it
-calls one C function, ``npumoe_lut_linear`` of ``luts/csrc``, which takes the path the engine's op takes for as many
-rows (the LUT-GEMV for decode rows, the int8 or dequantising GEMM for a prompt's). The tiles, scales and zeros are
+calls one C function, ``npumoe_lut_linear`` of ``luts/csrc``, which takes the path the engine's op takes for the same
+rows (the LUT-GEMV for decode rows, the int8 or dequantising GEMM for a prompt's chunk). The tiles, scales and zeros are
 program constants, read where the loader mapped them (core/tools/npumoe_run/lut_ops.cpp registers the same name).
 """
 
@@ -31,11 +31,9 @@ def _out(x, valid, tiles, scales, zeros, bits, group, out_features, int8_from, d
                              tiles.shape[1] * layout.TILE_K)
     if not fits(weight) or x.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"npumoe::lut_linear_rows takes rows [M, {weight.shape[1]}] and whole row blocks")
-    x, rows = x.to(torch.float32).contiguous(), max(0, min(int(valid[0]), x.shape[0]))
-    if rows:
-        torch_op._kernels().calls.lut_linear_at(weight, x.data_ptr(), rows, out.data_ptr(), int8_from, dequant_from,
-                                                torch_op.kernel_threads())
-    out[rows:] = 0
+    x = x.to(torch.float32).contiguous()
+    torch_op._kernels().calls.lut_linear_at(weight, x.data_ptr(), x.shape[0], int(valid[0]), out.data_ptr(), int8_from,
+                                            dequant_from, torch_op.kernel_threads())
     return out
 
 
@@ -55,10 +53,11 @@ torch.library.register_fake("npumoe::lut_linear_rows.out", _fake, lib=_LIB)
 
 def lut_linear_rows(x: torch.Tensor, valid: torch.Tensor | None, tiles: torch.Tensor, scales: torch.Tensor,
                     zeros: torch.Tensor, bits: int, group: int) -> torch.Tensor:
-    """y [..., N] = x [..., K] · Wᵀ (fp32) for W the tiled matrix (zeros empty: symmetric), by the path this machine's
-    crossovers give for the real rows (:func:`npumoe.luts.torch_op.path_crossovers`): the first ``valid`` [1] (int64)
-    of x's rows, or all of them (None); the others (a prefill chunk's padding) come out zero. The engine computes
-    only the real rows, so a short prompt takes the engine's path, not the padded chunk's."""
+    """y [..., N] = x [..., K] · Wᵀ (fp32) for W the tiled matrix (zeros empty: symmetric), for the first ``valid``
+    [1] (int64) of x's rows, or all of them (None); the others (a prefill chunk's padding) come out zero. The path is
+    the one this machine's crossovers (:func:`npumoe.luts.torch_op.path_crossovers`) give for all of x's rows: the
+    engine runs a padded chunk whole, and a short prompt's rows by the LUT-GEMV instead would put that path's error
+    into the KV cache every decode step reads (issue 33)."""
     out_features = tiles.shape[0] * layout.ROWS
     rows = x.reshape(-1, x.shape[-1])
     valid = torch.full((1,), rows.shape[0], dtype=torch.int64) if valid is None else valid

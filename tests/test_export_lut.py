@@ -22,10 +22,11 @@ pytest.importorskip("executorch.exir", reason="npumoe export needs the executorc
 from npumoe.core.tools.export import export  # noqa: E402
 
 CHUNK, CONTEXT, NEW = 32, 160, 32
-# With every linear packed (quantize's default) a 1-token prompt and its decode steps measured 3.2e-3 relative
-# (2.9e-4 before the op's linears took only a chunk's real rows; experts-only programs: 8e-7); the cause is not found
-# yet (issue 33), so the bound is the prompt's for now.
-DECODE_TOLERANCE = 5e-3
+# A 1-token prompt and its decode steps: 3e-7 relative on the demo (every linear packed) but for one step of 32 at
+# 2.9e-4 (not yet explained). It was 3.2e-3 while the program's packed linears chose their path for a short prompt's
+# real rows (the LUT-GEMV) and the engine for the padded chunk it runs (the int8 GEMM): the prompt's keys and values
+# differed, and every decode step reads them (issue 33).
+DECODE_TOLERANCE = 5e-4
 # A prompt's rows go through the LUT-GEMV (8-bit activation tables) in the program, through the dequantising or int8
 # GEMM in the engine: measured 1.3e-3 relative on the demo at 4 bits; bounded at the fp16 conformance level.
 PROMPT_TOLERANCE = 5e-3
@@ -73,9 +74,9 @@ def test_the_linear_op_is_the_engines_product_for_decode_and_prompt_rows(bits, s
         assert torch.equal(y, engine(x))  # the engine's own path for as many rows, bit for bit
         want = x.numpy() @ dense.T
         assert np.abs(y.numpy() - want).max() <= 2e-2 * np.abs(want).max()  # 8-bit activations' error at most
-    padded = torch.cat((x[:2], torch.ones(30, 128)))  # a chunk of 2 real rows: the engine's path for 2 rows
+    padded = torch.cat((x[:2], torch.ones(30, 128)))  # a chunk of 2 real rows: the engine runs the chunk whole
     y = linear_op.lut_linear_rows(padded, torch.tensor([2]), engine.tiles, engine.scales, zeros, bits, 32)
-    assert torch.equal(y[:2], engine(x[:2])) and not y[2:].any()
+    assert torch.equal(y[:2], engine(padded)[:2]) and not y[2:].any()
 
 
 @pytest.fixture(scope="module")

@@ -430,19 +430,24 @@ NPUMOE_API int npumoe_lut_gemm_i8(const lut_weight *w, const float *x, int m, fl
     return 0;
 }
 
-/* y [m][row_blocks*16] = x [m][k] · Wᵀ by the path npumoe::lut_linear takes for m rows (luts/torch_op.py,
- * lut_product): the int8 GEMM from int8_from rows (3-4 bits, where the build and CPU have it), else the dequantising GEMM
- * from dequant_from rows × bits, else the LUT-GEMV with 8-bit tables; 0 for a path: never. The crossovers come from the
- * caller (an exported program carries those the exporting machine measured, luts/tuning.py), so a program and the
- * engine choose alike. Returns -1 if a path cannot allocate. */
-NPUMOE_API int npumoe_lut_linear(const lut_weight *w, const float *x, int m, float *y, int int8_from, int dequant_from,
-                                 int threads) {
-    if (int8_from > 0 && m >= int8_from) {
-        const int status = npumoe_lut_gemm_i8(w, x, m, y, threads);
-        if (status != -2) return status;
-    }
-    if (dequant_from > 0 && m * w->bits >= dequant_from) return npumoe_lut_gemm(w, x, m, y, threads);
-    return npumoe_lut_gemv(w, x, m, 8, y, NULL, threads);
+/* y [m][row_blocks*16] = x [m][k] · Wᵀ for the first `valid` rows (clamped to 0..m; the others, a prefill chunk's
+ * padding, come out zero) by the path npumoe::lut_linear takes for all m rows (luts/torch_op.py, lut_product), as the
+ * engine runs a padded chunk whole: the int8 GEMM from int8_from rows (3-4 bits, where the build and CPU have it), else
+ * the dequantising GEMM from dequant_from rows × bits, else the LUT-GEMV with 8-bit tables; 0 for a path: never. Each
+ * path computes a row alone, so the real rows are the whole chunk's, bit for bit. The crossovers come from the caller
+ * (an exported program carries those the exporting machine measured, luts/tuning.py), so a program and the engine
+ * choose alike. npumoe::lut_linear_rows is this one call, eagerly and in npumoe-run. Returns -1 if a path cannot
+ * allocate. */
+NPUMOE_API int npumoe_lut_linear(const lut_weight *w, const float *x, int m, int valid, float *y, int int8_from,
+                                 int dequant_from, int threads) {
+    const int rows = valid < 0 ? 0 : valid > m ? m : valid;
+    int status = 0;
+    const size_t outputs = (size_t)w->row_blocks * LUT_ROWS;
+    memset(y + rows * outputs, 0, sizeof(float) * (m - rows) * outputs);
+    if (!rows) return 0;
+    if (int8_from > 0 && m >= int8_from && (status = npumoe_lut_gemm_i8(w, x, rows, y, threads)) != -2) return status;
+    if (dequant_from > 0 && m * w->bits >= dequant_from) return npumoe_lut_gemm(w, x, rows, y, threads);
+    return npumoe_lut_gemv(w, x, rows, 8, y, NULL, threads);
 }
 
 /* Several LUT-GEMVs of a few rows each (a prompt's experts below the int8 GEMM's rows, or at 1-2 bits) in two

@@ -25,8 +25,8 @@ typedef struct {
   const uint8_t* zeros;
   int row_blocks, k, bits, group;
 } lut_weight;
-int npumoe_lut_linear(const lut_weight* w, const float* x, int m, float* y, int int8_from, int dequant_from,
-                      int threads);
+int npumoe_lut_linear(const lut_weight* w, const float* x, int m, int valid, float* y, int int8_from,
+                      int dequant_from, int threads);
 }
 
 namespace {
@@ -76,8 +76,8 @@ Tensor& lut_swiglu_experts_out(KernelRuntimeContext& ctx, const Tensor& x, const
   return out;
 }
 
-// The first valid[0] rows of x (a prefill chunk's real rows; the padding's outputs are zero), so that a short prompt
-// takes the path the engine takes for its rows.
+// The first valid[0] rows of x (a prefill chunk's real rows; the padding's outputs are zero) by the path the engine
+// takes for the whole chunk (npumoe_lut_linear).
 Tensor& lut_linear_rows_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& valid, const Tensor& tiles,
                             const Tensor& scales, const Tensor& zeros, int64_t bits, int64_t group,
                             int64_t out_features, int64_t int8_from, int64_t dequant_from, Tensor& out) {
@@ -91,13 +91,11 @@ Tensor& lut_linear_rows_out(KernelRuntimeContext& ctx, const Tensor& x, const Te
   const lut_weight w = {tiles.const_data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.const_data_ptr()),
                         zeros.numel() ? zeros.const_data_ptr<uint8_t>() : nullptr, static_cast<int>(tiles.size(0)),
                         static_cast<int>(x.size(1)), static_cast<int>(bits), static_cast<int>(group)};
-  const int rows = static_cast<int>(std::clamp<int64_t>(valid.const_data_ptr<int64_t>()[0], 0, x.size(0)));
-  float* y = out.mutable_data_ptr<float>();
-  const int status = rows ? npumoe_lut_linear(&w, x.const_data_ptr<float>(), rows, y, static_cast<int>(int8_from),
-                                              static_cast<int>(dequant_from), threads())
-                          : 0;
+  const int status =
+      npumoe_lut_linear(&w, x.const_data_ptr<float>(), static_cast<int>(x.size(0)),
+                        static_cast<int>(valid.const_data_ptr<int64_t>()[0]), out.mutable_data_ptr<float>(),
+                        static_cast<int>(int8_from), static_cast<int>(dequant_from), threads());
   ET_KERNEL_CHECK_MSG(ctx, status == 0, MemoryAllocationFailed, out, "npumoe::lut_linear_rows failed (%d)", status);
-  std::fill(y + static_cast<size_t>(rows) * out_features, y + out.numel(), 0.0f);
   return out;
 }
 

@@ -61,7 +61,8 @@ def converter_temporaries(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fp16(model, ane_plan, tmp_path_factory, converter_temporaries):
-    """Built with the converter's temporaries in ``converter_temporaries`` (no RAM scratch)."""
+    """Built with the converter's temporaries in ``converter_temporaries`` (no RAM scratch), into an empty build
+    cache of its own: every package is converted here, whatever other test files built before."""
     import tempfile
 
     from npumoe.backends.apple_ane import convert
@@ -71,6 +72,7 @@ def fp16(model, ane_plan, tmp_path_factory, converter_temporaries):
     try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(convert, "MEMORY_SCRATCH", converter_temporaries / "no-such-dir")
+            patch.setenv("NPUMOE_BUILD_CACHE", str(tmp_path_factory.mktemp("ane-build-cache")))
             return out, build(model, ane_plan, "ane", out, progress=False)
     finally:
         tempfile.tempdir = before

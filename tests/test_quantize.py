@@ -153,7 +153,8 @@ def test_heldout_reports_the_perplexity_the_format_costs(source, tmp_path, capsy
                            r"([\d.]+) → ([\d.]+) \(([+-][\d.]+) %\)", line)
     assert printed, line
     source_ppl, result_ppl, cost = (float(printed[i]) for i in (2, 3, 4))
-    # the CLI's source perplexity is npumoe's fp32 engine, the truth transformers': the last printed digit may differ
+    # the CLI's source perplexity is npumoe's engine under load()'s defaults, the truth transformers' fp32: the last
+    # printed digit may differ
     assert int(printed[1]) == len(ids) and source_ppl == pytest.approx(truth, abs=2e-3)
     assert result_ppl == pytest.approx(quantised, abs=1e-3)
     assert cost == pytest.approx(100 * (quantised / truth - 1), abs=0.011)

@@ -127,6 +127,18 @@ def check_published() -> list[dict]:
     return rows
 
 
+def decode_experts(spec, plan, layer: int) -> tuple[float, float | None]:
+    """(fp16 expert bytes a decode token reads in MoE layer ``layer``, the expert graphs it launches): the plan's
+    predicted figures (its graphs read whole), else — no plan, or one made before predictions — the top-k experts'
+    bytes and None (the launches are the caller's to count)."""
+    from npumoe.core.planning.plan import expert_bytes
+
+    predicted = plan.layers[layer].predicted if plan is not None else {}
+    if "decode_weight_mb" in predicted:
+        return predicted["decode_weight_mb"] * 1e6, predicted["decode_launches"]
+    return float(spec.layers[layer].ffn.top_k * expert_bytes(spec, layer)), None
+
+
 def workload(spec, plan, chunk_launches: float) -> Workload:
     """A planned model's per-token costs at fp16 weights: dense graphs, and the expert graphs a decode token
     launches (whole, as the plan cut them: its expected figures; the top-k experts in plans made before); a
@@ -141,12 +153,10 @@ def workload(spec, plan, chunk_launches: float) -> Workload:
     every = sum(spec.layers[i].ffn.num_experts * expert_bytes(spec, i) for i in spec.moe_layers)
     hit = expert_launches = 0.0
     for i, lp in plan.layers.items():
-        if "decode_weight_mb" in lp.predicted:
-            hit += lp.predicted["decode_weight_mb"] * 1e6
-            expert_launches += lp.predicted["decode_launches"]
-        else:
-            hit += spec.layers[i].ffn.top_k * expert_bytes(spec, i)
-            expert_launches += min(spec.layers[i].ffn.top_k, sum(g.residency == "npu" for g in lp.groups))
+        read, launches = decode_experts(spec, plan, i)
+        hit += read
+        expert_launches += launches if launches is not None else min(spec.layers[i].ffn.top_k,
+                                                                       sum(g.residency == "npu" for g in lp.groups))
     return Workload(decode_weight_bytes=dense + hit, decode_launches=spec.num_layers + 1 + expert_launches,
                     prefill_flops_per_token=dense + hit,  # 2 FLOPs per active parameter = its fp16 bytes
                     chunk=plan.chunk, chunk_weight_bytes=dense + every, chunk_launches=chunk_launches)

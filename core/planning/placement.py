@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from npumoe.core.ir.backend import capabilities
-from npumoe.core.planning.costmodel import size
+from npumoe.core.planning.costmodel import decode_experts, size
 
 CPU = "cpu"
 CPU_BYTES_PER_FP16_BYTE = 2.0  # the CPU method's expert weights are fp32
@@ -42,15 +42,12 @@ class DecodePlacement:
 
 def decode_placement(spec, target: str, plan=None) -> DecodePlacement:
     """The cheaper place for ``target``'s program to decode: the plan's expert graphs where there is a plan (its
-    predicted bytes and launches a decode step), else each MoE layer's top-k experts in one launch a layer."""
-    from npumoe.core.planning.plan import expert_bytes
-
-    if plan is not None and all("decode_weight_mb" in plan.layers[i].predicted for i in spec.moe_layers):
-        hit = sum(plan.layers[i].predicted["decode_weight_mb"] * 1e6 for i in spec.moe_layers)
-        launches = sum(plan.layers[i].predicted["decode_launches"] for i in spec.moe_layers)
-    else:
-        hit = float(sum(spec.layers[i].ffn.top_k * expert_bytes(spec, i) for i in spec.moe_layers))
-        launches = float(len(spec.moe_layers))
+    predicted bytes and launches a decode step), else each MoE layer's top-k experts in one launch a layer (the
+    program's expert region of a layer)."""
+    hit = launches = 0.0
+    for i in spec.moe_layers:
+        read, graphs = decode_experts(spec, plan, i)
+        hit, launches = hit + read, launches + (1.0 if graphs is None else graphs)
     npu, cpu = capabilities(target), capabilities(CPU)
     npu_seconds = hit / npu.weight_bytes_per_second + launches * npu.dispatch_seconds
     cpu_seconds = hit * CPU_BYTES_PER_FP16_BYTE / cpu.weight_bytes_per_second

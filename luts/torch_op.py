@@ -182,8 +182,9 @@ BF16_GEMM_FROM = {"avx512": 48, "avx2": 16, "neon": 16}
 # Rows from which a bf16 matrix takes the dot-product GEMM (AVX-512 BF16, spec.bf16_dot_gemm) on activations
 # rounded to bf16, as torch's bf16 matmul and llama.cpp's F16 path (to fp16) round them: two products per lane
 # and instruction where widening the weights to fp32 makes one, so a prompt runs several times faster
-# (docs/performance.md, "bf16 paths"). Fewer rows (decode) stay on the exact GEMV, which reading the weights bounds.
-BF16_DOT_FROM = 8
+# (docs/performance.md, "bf16 paths"). From two rows: a prompt's rarely chosen experts get a few rows each, which
+# the dot GEMM reads at the GEMV's speed and computes in less time. One row (decode) stays on the exact GEMV.
+BF16_DOT_FROM = 2
 
 
 def fast_compute_dtypes() -> frozenset[torch.dtype]:

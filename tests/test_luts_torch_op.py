@@ -123,10 +123,11 @@ def test_bf16_linear_takes_the_path_its_rows_call_for(rows, dot, monkeypatch):
 
 @pytest.mark.skipif(not BF16_DOT, reason="the bf16 dot-product GEMM runs on the AVX-512 build of a CPU with AVX-512 "
                     "BF16, which this run lacks or does not use (NPUMOE_LUT_KERNEL), and no emulator here runs it")
-@pytest.mark.parametrize("rows, outputs, inputs", [(8, 6, 32), (9, 7, 64), (65, 13, 96), (200, 70, 2048)])
+@pytest.mark.parametrize("rows, outputs, inputs",
+                         [(2, 5, 32), (3, 12, 64), (8, 6, 32), (9, 7, 64), (65, 13, 96), (200, 70, 2048)])
 def test_bf16_dot_gemm_matches_the_spec(rows, outputs, inputs):
-    """Row tails (not a multiple of 4 activation or 6 weight rows) and more than one 64-row activation tile; to
-    fp32 summation order against the float64 sum of the exact products."""
+    """Row tails (each short pass of 1-3 activation rows; weight rows not a multiple of 6) and more than one 64-row
+    activation tile; to fp32 summation order against the float64 sum of the exact products."""
     kernels = torch_op._kernels()
     rng = np.random.default_rng(rows)
     w = torch.from_numpy(rng.standard_normal((outputs, inputs), np.float32)).bfloat16().view(torch.int16).numpy()
@@ -135,6 +136,24 @@ def test_bf16_dot_gemm_matches_the_spec(rows, outputs, inputs):
     np.testing.assert_allclose(kernels.bf16_dot_gemm(w, x), expected, rtol=0, atol=2e-6 * np.sqrt(inputs) * 8)
     with pytest.raises(InputError, match="multiples of 32"):
         kernels.bf16_dot_gemm(w[:, :31].copy(), x[:, :31].copy())
+
+
+@pytest.mark.skipif(not BF16_DOT, reason="the bf16 dot-product GEMM runs on the AVX-512 build of a CPU with AVX-512 "
+                    "BF16, which this run lacks or does not use (NPUMOE_LUT_KERNEL), and no emulator here runs it")
+def test_bf16_dot_gemm_tasks_sharing_their_rows():
+    """Gate and up read the same activations, which the kernel rounds once for both: each task, shared rows or
+    not, still gets its own product (spec.bf16_dot_gemm), NaN and infinity rounded as torch rounds them."""
+    rng = np.random.default_rng(3)
+    ws = [torch.from_numpy(rng.standard_normal((n, 64), np.float32)).bfloat16().view(torch.int16).numpy()
+          for n in (7, 12, 5)]
+    shared, own = rng.standard_normal((2, 5, 64)).astype(np.float32)
+    shared[1, 3], shared[2, 5] = np.nan, np.inf
+    xs = [shared, shared, own]
+    ys = [np.empty((5, w.shape[0]), np.float32) for w in ws]
+    torch_op._kernels().calls.bf16_dot_gemm_many_at(
+        [(w.ctypes.data, x.ctypes.data, y.ctypes.data, 5, *w.shape) for w, x, y in zip(ws, xs, ys)], 2)
+    for w, x, y in zip(ws, xs, ys):
+        np.testing.assert_allclose(y, spec.bf16_dot_gemm(w, x), rtol=1e-6, atol=1e-5)
 
 
 def test_bf16_round_is_torchs_rounding():

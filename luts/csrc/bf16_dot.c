@@ -22,16 +22,10 @@
 #endif
 
 #define DOT_NR 6 /* weight rows per block */
-#define DOT_MR 4 /* activation rows per pass: 16 accumulators, 4 weight vectors and one activation in registers */
+#define DOT_MR 4 /* activation rows per pass: 24 accumulators, 6 weight vectors and one activation in registers */
 #define DOT_K 32 /* inputs per instruction */
 #define DOT_M_TILE 64 /* activation rows kept hot while a thread's weight blocks pass (64 × 4 KB at K = 2048) */
-
-/* fp32 → bf16 bits, round to nearest even; a NaN stays a (quiet) NaN. */
-static inline uint16_t bf16_round(float f) {
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40);
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1)) >> 16);
-}
+#define DOT_HINT _MM_HINT_T0 /* where the next block's rows are fetched to */
 
 typedef struct {
     const uint16_t *w;  /* [n][k] */
@@ -41,28 +35,62 @@ typedef struct {
 } dot_job;
 
 #ifdef HAVE_BF16_DOT
-/* Weight rows r .. r+DOT_NR-1 (a short last block repeats its last row) against activation rows i0 .. i1-1. */
+/* Activation rows i .. i+mr-1 (mr ≤ DOT_MR, a constant where inlined) against weight rows w, into y's columns
+ * r .. r+rows-1; prefetching rows p, p + passes, … of the next block. */
+__attribute__((target("avx512f,avx512bf16"), always_inline)) static inline void dot_pass(
+    const dot_job *job, const uint16_t *const *w, int r, int rows, const uint16_t *next, int next_rows, int pass,
+    int passes, int i, const int mr) {
+    const int k = job->k;
+    const uint16_t *x[DOT_MR];
+    for (int a = 0; a < mr; a++) x[a] = job->xb + (size_t)(i + a) * k;
+    __m512 acc[DOT_MR][DOT_NR];
+    for (int a = 0; a < mr; a++)
+        for (int j = 0; j < DOT_NR; j++) acc[a][j] = _mm512_setzero_ps();
+    for (int kk = 0; kk < k; kk += DOT_K) {
+        for (int j = pass; j < next_rows; j += passes) _mm_prefetch((const char *)(next + (size_t)j * k + kk), DOT_HINT);
+        __m512bh wv[DOT_NR];
+        for (int j = 0; j < DOT_NR; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + kk);
+        for (int a = 0; a < mr; a++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[a] + kk);
+            for (int j = 0; j < DOT_NR; j++) acc[a][j] = _mm512_dpbf16_ps(acc[a][j], xv, wv[j]);
+        }
+    }
+    for (int a = 0; a < mr; a++)
+        for (int j = 0; j < rows; j++) job->y[(size_t)(i + a) * job->n + r + j] = _mm512_reduce_add_ps(acc[a][j]);
+}
+
+/* Weight rows r .. r+DOT_NR-1 (a short last block repeats its last row) against activation rows i0 .. i1-1, DOT_MR
+ * at a time and the rest in one shorter pass.
+ *
+ * A block's rows are read from memory by its first pass over the activations and from cache by the rest, and a
+ * row of 2048 inputs is one 4 KB page, where the hardware prefetchers stop: so the passes also fetch the next
+ * block's rows, spread over them, which the first pass of the next block would otherwise wait for. */
 __attribute__((target("avx512f,avx512bf16"))) static void dot_block(const dot_job *job, int r, int i0, int i1) {
     const int k = job->k, rows = job->n - r < DOT_NR ? job->n - r : DOT_NR;
-    const uint16_t *w[DOT_NR];
+    const int next_rows = job->n - r - DOT_NR < DOT_NR ? job->n - r - DOT_NR : DOT_NR;
+    const int passes = (i1 - i0 + DOT_MR - 1) / DOT_MR;
+    const uint16_t *w[DOT_NR], *next = job->w + (size_t)(r + DOT_NR) * k;
     for (int j = 0; j < DOT_NR; j++) w[j] = job->w + (size_t)(r + (j < rows ? j : rows - 1)) * k;
-    for (int i = i0; i < i1; i += DOT_MR) {
-        const int mr = i1 - i < DOT_MR ? i1 - i : DOT_MR;
-        const uint16_t *x[DOT_MR];
-        for (int a = 0; a < DOT_MR; a++) x[a] = job->xb + (size_t)(i + (a < mr ? a : mr - 1)) * k;
-        __m512 acc[DOT_MR][DOT_NR];
-        for (int a = 0; a < DOT_MR; a++)
-            for (int j = 0; j < DOT_NR; j++) acc[a][j] = _mm512_setzero_ps();
-        for (int kk = 0; kk < k; kk += DOT_K) {
-            __m512bh wv[DOT_NR];
-            for (int j = 0; j < DOT_NR; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w[j] + kk);
-            for (int a = 0; a < DOT_MR; a++) {
-                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x[a] + kk);
-                for (int j = 0; j < DOT_NR; j++) acc[a][j] = _mm512_dpbf16_ps(acc[a][j], xv, wv[j]);
-            }
-        }
-        for (int a = 0; a < mr; a++)
-            for (int j = 0; j < rows; j++) job->y[(size_t)(i + a) * job->n + r + j] = _mm512_reduce_add_ps(acc[a][j]);
+    int i = i0, pass = 0;
+    for (; i + DOT_MR <= i1; i += DOT_MR, pass++) dot_pass(job, w, r, rows, next, next_rows, pass, passes, i, DOT_MR);
+    switch (i1 - i) {
+        case 3: dot_pass(job, w, r, rows, next, next_rows, pass, passes, i, 3); break;
+        case 2: dot_pass(job, w, r, rows, next, next_rows, pass, passes, i, 2); break;
+        case 1: dot_pass(job, w, r, rows, next, next_rows, pass, passes, i, 1); break;
+    }
+}
+
+/* n fp32 values → bf16 bits, rounded to nearest even (spec.bf16_round; a NaN stays a quiet NaN), sixteen at a
+ * time (n is a multiple of 16: K is one of 32). */
+__attribute__((target("avx512f"))) static void round_to_bf16(const float *x, uint16_t *out, size_t n) {
+    const __m512i bias = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), quiet = _mm512_set1_epi32(0x40);
+    const __m512i magnitude = _mm512_set1_epi32(0x7fffffff), inf = _mm512_set1_epi32(0x7f800000);
+    for (size_t e = 0; e < n; e += 16) {
+        const __m512i v = _mm512_loadu_si512(x + e), high = _mm512_srli_epi32(v, 16);
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(v, bias), _mm512_and_si512(high, one)), 16);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(v, magnitude), inf);
+        r = _mm512_mask_or_epi32(r, nan, high, quiet);
+        _mm256_storeu_si256((__m256i *)(out + e), _mm512_cvtepi32_epi16(r));
     }
 }
 
@@ -105,9 +133,10 @@ NPUMOE_API int npumoe_bf16_dot_gemm_many(const npumoe_bf16_task *tasks, int coun
     for (int t = 0; t < count; t++) {
         const npumoe_bf16_task *task = &tasks[t];
         const size_t size = (size_t)task->m * task->k;
-        for (size_t e = 0; e < size; e++) at[e] = bf16_round(task->x[e]);
-        jobs[t] = (dot_job){task->w, at, task->y, task->m, task->n, task->k};
-        at += size;
+        /* gate and up read the same rows: round them once */
+        const int same_rows = t && task->x == tasks[t - 1].x && task->m == tasks[t - 1].m && task->k == tasks[t - 1].k;
+        if (!same_rows) round_to_bf16(task->x, at, size), at += size;
+        jobs[t] = (dot_job){task->w, at - size, task->y, task->m, task->n, task->k};
         first_block[t + 1] = first_block[t] + (task->n + DOT_NR - 1) / DOT_NR;
         weight_bytes += (size_t)task->n * task->k * sizeof(uint16_t);
     }

@@ -129,6 +129,8 @@ _SIGNATURES = {
     "npumoe_decode_step": ([ctypes.POINTER(Model), ctypes.c_int64, _I, _P, _P, _P, ctypes.POINTER(ctypes.c_double),
                             _I], ctypes.c_int),
     "npumoe_attention_decode": ([ctypes.POINTER(Attention), _P, _P, _P, _I, _P, _P, _I, _P, _P, _I], ctypes.c_int),
+    "npumoe_rms_norm_rows": ([_P, _P, _I, _I, ctypes.c_float, _P], None),
+    "npumoe_rope_rows": ([_P, _P, _P, _I, _I, _I, _I], None),
 }
 
 
@@ -243,6 +245,14 @@ class NativeCalls:
         batch = (ctypes.POINTER(Swiglu) * len(experts))(*map(ctypes.pointer, experts))
         if self.lib.npumoe_swiglu_experts(batch, weights, len(experts), x, y, threads):
             raise MemoryError("the fused experts could not allocate their scratch")
+
+    def rms_norm_rows_at(self, x: int, w: int, rows: int, n: int, eps: float, out: int) -> None:
+        """out [rows, n] = each row of x · rsqrt(mean(x²) + eps) · w, all by address (fp32)."""
+        self.lib.npumoe_rms_norm_rows(x, w, rows, n, eps, out)
+
+    def rope_rows_at(self, x: int, cos: int, sin: int, rows: int, heads: int, d: int, interleaved: bool) -> None:
+        """x [rows, heads, d] rotated in place by cos and sin [rows, d], all by address (fp32)."""
+        self.lib.npumoe_rope_rows(x, cos, sin, rows, heads, d, interleaved)
 
     def attention_decode_at(self, block: Attention, x: int, cos: int, sin: int, position: int, k_cache: int,
                             v_cache: int, capacity: int, h: int, z: int, threads: int) -> None:

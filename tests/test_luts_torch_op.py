@@ -296,3 +296,34 @@ def test_a_prompts_attention_splits_its_queries_across_the_held_threads():
         torch.testing.assert_close(together, fused.__wrapped__(q, k, v, mask, scale=0.25), rtol=0, atol=1e-6)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("shape", [(5, 64), (3, 4, 16), (1, 2048)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_rows_is_the_norm(shape, dtype):
+    """The prompt's norm in C against torch's ops in float64 (the weight as stored, bf16 or fp32)."""
+    x, w = torch.randn(*shape) * 3, torch.randn(shape[-1]).to(dtype)
+    x64 = x.double()
+    expected = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    torch.testing.assert_close(torch_op.rms_norm_rows(x, w, 1e-6), expected.float(), rtol=1e-6, atol=1e-6)
+    assert torch_op.rms_norm_rows(x.double(), w, 1e-6) is None  # (not fp32: torch's ops take it)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_rows_is_the_rotation(interleaved):
+    """Each head of each row rotated by its row's angles: pairs (i, i + d/2), or (2i, 2i + 1), against the complex
+    product in float64; the input left as it was."""
+    rows, heads, d = 5, 3, 8
+    x, angles = torch.randn(rows, heads, d), torch.rand(rows, d // 2) * 6
+    freqs = torch.cat((angles, angles), -1)
+    cos, sin = freqs.cos(), freqs.sin()
+    before = x.clone()
+    got = torch_op.rope_rows(x, cos, sin, interleaved)
+    pairs = (x.double().reshape(rows, heads, d // 2, 2) if interleaved
+             else x.double().reshape(rows, heads, 2, d // 2).transpose(-1, -2))
+    turned = torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * torch.polar(
+        torch.ones_like(angles.double()), angles.double())[:, None])
+    expected = turned.reshape(rows, heads, d) if interleaved else turned.transpose(-1, -2).reshape(rows, heads, d)
+    torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(x, before)
+    assert torch_op.rope_rows(x[None], cos, sin, interleaved) is None  # (another layout: torch's ops take it)

@@ -23,11 +23,15 @@ from npumoe.luts.torch_op import (
     lut_linear_many,
     lut_linear_rows_many,
     on_held_threads,
+    rms_norm_rows,
+    rope_rows,
 )
 
 
 def _rmsnorm(x, w, *, eps):
-    if w.dtype == x.dtype:  # torch's own: the same ops in one call (a decode step runs four a layer)
+    if (y := rms_norm_rows(x, w, eps)) is not None:  # one pass of C over the rows
+        return y
+    if w.dtype == x.dtype:  # torch's own: the same ops in one call
         return torch.rms_norm(x, (x.shape[-1],), w, eps)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
@@ -47,6 +51,8 @@ def _rotate(x, cos, sin, interleaved):
 
 
 def _rope(x, cos, sin, *, rotary_dim, interleaved):
+    if rotary_dim == x.shape[-1] and (y := rope_rows(x, cos, sin, interleaved)) is not None:  # one pass of C
+        return y
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
     if rotary_dim == x.shape[-1]:  # (most models: no pass-through part to split off and join again)
         return _rotate(x, cos, sin, interleaved)

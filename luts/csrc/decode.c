@@ -172,16 +172,42 @@ static void rms_norm(float *out, const float *x, const float *w, int n, float ep
     for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
+/* The halves' rotation: lo[i] with hi[i], by entries i and half + i. */
+static void rotate_halves(float *restrict lo, float *restrict hi, const float *cos, const float *sin, int half) {
+    for (int i = 0; i < half; i++) {
+        const float xa = lo[i], xb = hi[i];
+        lo[i] = xa * cos[i] - xb * sin[i];
+        hi[i] = xb * cos[half + i] + xa * sin[half + i];
+    }
+}
+
 /* Rotary embedding of one head in place: cos/sin rows hold each frequency twice (halves repeated), as cos_sin
  * gives them; pairs (i, i + D/2), or with `interleaved` (2i, 2i + 1) with entry i. */
 static void rope(float *x, const float *cos, const float *sin, int d, int interleaved) {
-    for (int i = 0; i < d / 2; i++) {
-        const int a = interleaved ? 2 * i : i, b = interleaved ? 2 * i + 1 : i + d / 2;
-        const int ca = interleaved ? i : a, cb = interleaved ? i : b;
-        const float xa = x[a], xb = x[b];
-        x[a] = xa * cos[ca] - xb * sin[ca];
-        x[b] = xb * cos[cb] + xa * sin[cb];
+    const int half = d / 2;
+    if (!interleaved) {
+        rotate_halves(x, x + half, cos, sin, half);
+        return;
     }
+    for (int i = 0; i < half; i++) {
+        const float xa = x[2 * i], xb = x[2 * i + 1];
+        x[2 * i] = xa * cos[i] - xb * sin[i];
+        x[2 * i + 1] = xb * cos[i] + xa * sin[i];
+    }
+}
+
+/* Each of x's rows [rows][n] normalised into out (which may be x): a prompt's norms, the ops the graph would run as
+ * five passes over the rows, one pass here. */
+NPUMOE_API void npumoe_rms_norm_rows(const float *x, const float *w, int rows, int n, float eps, float *out) {
+    for (int r = 0; r < rows; r++) rms_norm(out + (size_t)r * n, x + (size_t)r * n, w, n, eps);
+}
+
+/* x [rows][heads][d] rotated in place, row r's heads by cos and sin row r ([rows][d], as cos_sin gives them). */
+NPUMOE_API void npumoe_rope_rows(float *x, const float *cos, const float *sin, int rows, int heads, int d,
+                                 int interleaved) {
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < heads; h++)
+            rope(x + ((size_t)r * heads + h) * d, cos + (size_t)r * d, sin + (size_t)r * d, d, interleaved);
 }
 
 typedef struct {

@@ -241,7 +241,7 @@ def test_compare_says_what_each_device_can_hold_of_each_build(built, capsys):
     main(["compare", str(built)])
     lines = capsys.readouterr().out.splitlines()
     for _, device in (pair for target in result["targets"] for pair in devices(target)):
-        assert any(line.strip().startswith(f"{device.name}: ") and line.endswith("✓") for line in lines)
+        assert any(line.strip().startswith(f"{device.name} ✓: ") for line in lines)
 
 
 def test_compare_html_renders_in_chromium_with_its_numbers(built, tmp_path, capsys):

@@ -278,7 +278,8 @@ class Verdict:
 
     @property
     def line(self) -> str:
-        """e.g. "Apple A17 Pro: 3.1 GB of the 4.0 GB an app may hold (8 GB RAM), packages ≤ 1 GB ✓"."""
+        """e.g. "Apple A17 Pro ✓: 3.1 GB of the 4.0 GB an app may hold (8 GB RAM), packages ≤ 1 GB": the verdict
+        beside the device, not after its last clause (which it would seem to judge alone)."""
         memory = f"{size(self.needed_bytes)} of the {size(self.budget_bytes)} an app may hold ({self.ram_gb:g} GB RAM)"
         if self.memory_over:
             memory += f", {size(self.memory_over)} over"
@@ -289,7 +290,7 @@ class Verdict:
                       f"{size(self.package_limit_bytes)} limit"
         else:
             package = f", packages ≤ {size(self.package_limit_bytes)}"
-        return f"{self.device}: {memory}{package} {'✓' if self.fits else '✗'}"
+        return f"{self.device} {'✓' if self.fits else '✗'}: {memory}{package}"
 
     def to_json(self) -> dict:
         return {"device": self.device, "fits": self.fits, "needed_bytes": self.needed_bytes,

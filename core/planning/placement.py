@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from npumoe.core.ir.backend import capabilities
 from npumoe.core.planning.costmodel import decode_experts, size
 
-CPU = "cpu"
+CPU = "cpu"  # the target a disaggregated program's decode method is lowered for
 CPU_BYTES_PER_FP16_BYTE = 2.0  # the CPU method's expert weights are fp32
 
 

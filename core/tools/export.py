@@ -29,13 +29,12 @@ from npumoe.core.compiler.interpreter import OP_IMPLS
 from npumoe.core.compiler.program import build_program
 from npumoe.core.ir.backend import ProgramTarget, RunnerSetup, plugin, plugin_object, plugins
 from npumoe.core.ir.rope import short_context
-from npumoe.core.planning.placement import decode_placement
+from npumoe.core.planning.placement import CPU, decode_placement
 from npumoe.core.runtime.engine import DEFAULT_CHUNK, DEFAULT_MAX_CONTEXT
 from npumoe.core.tools import native_runner
 from npumoe.core.tools.whole_model import Method, WholeModel
 
 KIND = "npumoe.Export"
-CPU = "cpu"  # the target a disaggregated program's decode method is lowered for
 DECODE_ON = ("npu", "cpu")
 MANIFEST, PROGRAM, RUNNER = "manifest.json", "model.pte", "npumoe-run"
 TOKENIZER_FILES = ("npumoe_tokenizer.json", "tokenizer.json")  # what models/tokenizer.py reads, in its order

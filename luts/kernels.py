@@ -115,6 +115,7 @@ _SIGNATURES = {
     "npumoe_bf16_gemv": ([_P, _P, _I, _I, _I, _P, _I], ctypes.c_int),
     "npumoe_bf16_gemv_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
     "npumoe_bf16_dot_available": ([], ctypes.c_int),
+    "npumoe_bf16_amx_set": ([_I], ctypes.c_int),
     "npumoe_bf16_gemm": ([_P, _P, _I, _I, _I, _P, _I], ctypes.c_int),
     "npumoe_bf16_gemm_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
     "npumoe_bf16_dot_gemm_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
@@ -378,6 +379,11 @@ class NativeCalls:
     def bf16_dot(self) -> bool:
         """Does this CPU run :meth:`bf16_dot_gemm_many_at` (x86-64 with AVX-512 BF16)?"""
         return bool(self.lib.npumoe_bf16_dot_available())
+
+    def bf16_amx_set(self, use: bool) -> bool:
+        """Whether :meth:`bf16_dot_gemm_many_at` runs on AMX tiles where the CPU has them (the default) or on AVX-512
+        BF16 alone; returns whether it will use the tiles."""
+        return bool(self.lib.npumoe_bf16_amx_set(int(use)))
 
     def bf16_dot_gemm_many_at(self, tasks: list[tuple[int, int, int, int, int, int]], threads: int) -> None:
         """Several bf16 GEMMs on bf16-rounded activations (spec.bf16_dot_gemm), tasks as in

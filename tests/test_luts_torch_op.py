@@ -121,13 +121,25 @@ def test_bf16_linear_takes_the_path_its_rows_call_for(rows, dot, monkeypatch):
     assert bf16_linear(x, w.T.contiguous().T) is None  # strided: torch's path
 
 
+@pytest.fixture(params=["amx", "avx512_bf16"])
+def dot_engine(request):
+    """Each engine of the dot-product GEMM this CPU has: AMX tiles (the default where present) and AVX-512 BF16."""
+    calls = torch_op._kernels().calls
+    if request.param == "amx" and not calls.bf16_amx_set(True):
+        pytest.skip("this CPU has no AMX tiles (AVX-512 BF16 alone is tested)")
+    calls.bf16_amx_set(request.param == "amx")
+    yield request.param
+    calls.bf16_amx_set(True)
+
+
 @pytest.mark.skipif(not BF16_DOT, reason="the bf16 dot-product GEMM runs on the AVX-512 build of a CPU with AVX-512 "
                     "BF16, which this run lacks or does not use (NPUMOE_LUT_KERNEL), and no emulator here runs it")
-@pytest.mark.parametrize("rows, outputs, inputs",
-                         [(2, 5, 32), (3, 12, 64), (8, 6, 32), (9, 7, 64), (65, 13, 96), (200, 70, 2048)])
-def test_bf16_dot_gemm_matches_the_spec(rows, outputs, inputs):
-    """Row tails (each short pass of 1-3 activation rows; weight rows not a multiple of 6) and more than one 64-row
-    activation tile; to fp32 summation order against the float64 sum of the exact products."""
+@pytest.mark.parametrize("rows, outputs, inputs", [(2, 5, 32), (3, 12, 64), (8, 6, 32), (9, 7, 64), (65, 13, 96),
+                                                   (17, 70, 96), (200, 70, 2048), (33, 96, 64)])
+def test_bf16_dot_gemm_matches_the_spec(rows, outputs, inputs, dot_engine):
+    """Row tails (each short pass of 1-3 activation rows; weight rows not a multiple of 6, nor of AMX's 32 or 16;
+    activation rows not a multiple of 16) and more than one 64-row activation tile; to fp32 summation order against
+    the float64 sum of the exact products."""
     kernels = torch_op._kernels()
     rng = np.random.default_rng(rows)
     w = torch.from_numpy(rng.standard_normal((outputs, inputs), np.float32)).bfloat16().view(torch.int16).numpy()
@@ -140,12 +152,12 @@ def test_bf16_dot_gemm_matches_the_spec(rows, outputs, inputs):
 
 @pytest.mark.skipif(not BF16_DOT, reason="the bf16 dot-product GEMM runs on the AVX-512 build of a CPU with AVX-512 "
                     "BF16, which this run lacks or does not use (NPUMOE_LUT_KERNEL), and no emulator here runs it")
-def test_bf16_dot_gemm_tasks_sharing_their_rows():
+def test_bf16_dot_gemm_tasks_sharing_their_rows(dot_engine):
     """Gate and up read the same activations, which the kernel rounds once for both: each task, shared rows or
     not, still gets its own product (spec.bf16_dot_gemm), NaN and infinity rounded as torch rounds them."""
     rng = np.random.default_rng(3)
     ws = [torch.from_numpy(rng.standard_normal((n, 64), np.float32)).bfloat16().view(torch.int16).numpy()
-          for n in (7, 12, 5)]
+          for n in (7, 64, 37)]
     shared, own = rng.standard_normal((2, 5, 64)).astype(np.float32)
     shared[1, 3], shared[2, 5] = np.nan, np.inf
     xs = [shared, shared, own]

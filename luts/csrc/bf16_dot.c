@@ -10,6 +10,7 @@
  * Run by the AVX-512 build on an x86-64 CPU with AVX-512 BF16 (the function carries its own target, so the build
  * still loads on CPUs without BF16, such as Ice Lake, which take the widening GEMM of simd_kernels.h instead).
  */
+#define _GNU_SOURCE /* syscall, for the tiles' permission */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -19,6 +20,13 @@
     ((defined(__GNUC__) && __GNUC__ >= 10) || (defined(__clang__) && __clang_major__ >= 9))
 #define HAVE_BF16_DOT 1
 #include <immintrin.h>
+#endif
+#if defined(HAVE_BF16_DOT) && defined(__linux__) && \
+    ((defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11) || (defined(__clang__) && __clang_major__ >= 12))
+#define HAVE_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #define DOT_NR 6 /* weight rows per block */
@@ -103,6 +111,141 @@ static void dot_span(void *ctx, int t, int b0, int b1) {
 }
 #endif
 
+#ifdef HAVE_AMX
+/* ---- AMX tiles (Sapphire Rapids and later) ----
+ *
+ * TDPBF16PS multiplies a 16 × 32 bf16 tile by a 32 × 16 one into 16 × 16 fp32 sums: 8192 products an instruction,
+ * where vdpbf16ps makes 32. A weight tile is 16 of W's rows as stored (A: row stride K); the activations go over as
+ * B in the pairs layout the instruction reads (input pairs down, 16 activation rows across: built once per
+ * distinct x), so each tile holds Wᵀ's products for 16 weight rows × 16 activation rows, stored transposed into y.
+ * A unit of 32 weight rows (rows of 2048 inputs: 32 pages read side by side, as many as the L2 streamer follows)
+ * took less time than 64 at 16 activation rows and alike at 64; prefetching the rows ahead only slowed it. */
+#define AMX_UNIT 32 /* weight rows a unit: two sum tiles share each activation tile */
+#define AMX_CHUNK 32 /* inputs a tile step: 16 pairs */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+typedef struct {
+    dot_job dot;          /* the rows past the last full tile go through dot_block */
+    const uint32_t *xv;   /* [m blocks][K / 32][16 pairs][16 rows] pairs of bf16 */
+} amx_job;
+
+static int amx_wanted = 1; /* npumoe_bf16_amx_set */
+
+/* The CPU has AMX-BF16 and the kernel lets this process use the tiles (Linux asks each process to request them). */
+static int amx_usable(void) {
+    static int state; /* 0 unknown, 1 usable, -1 not (requesting twice is harmless) */
+    if (!state) {
+        unsigned a, b, c, d;
+        const int tiles = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
+        state = tiles && !syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) ? 1 : -1;
+    }
+    return state > 0;
+}
+
+/* x's bf16 rows [m][k] as B tiles: block b, chunk c, pair p, row j ← rows 16b + j's inputs 32c + 2p, +1 (0 past m). */
+static void amx_pairs(const uint16_t *xb, int m, int k, uint32_t *xv) {
+    const uint32_t *rows = (const uint32_t *)xb;
+    const int chunks = k / AMX_CHUNK, blocks = (m + 15) / 16;
+    for (int b = 0; b < blocks; b++)
+        for (int c = 0; c < chunks; c++)
+            for (int p = 0; p < 16; p++, xv += 16)
+                for (int j = 0; j < 16; j++)
+                    xv[j] = 16 * b + j < m ? rows[(size_t)(16 * b + j) * (k / 2) + 16 * c + p] : 0;
+}
+
+/* Weight rows r .. r+31 against every activation row. */
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) static void amx_unit(const amx_job *job, int r) {
+    const dot_job *d = &job->dot;
+    const int k = d->k, chunks = k / AMX_CHUNK;
+    const uint16_t *w = d->w + (size_t)r * k;
+    const size_t stride = (size_t)k * sizeof(uint16_t);
+    float sums[2][16][16];
+    for (int b = 0; b < (d->m + 15) / 16; b++) {
+        const uint32_t *xv = job->xv + (size_t)b * chunks * 256;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int c = 0; c < chunks; c++) {
+            const uint16_t *at = w + c * AMX_CHUNK;
+            _tile_loadd(4, xv + c * 256, 64);
+            _tile_loadd(5, at, stride);
+            _tile_dpbf16ps(0, 5, 4);
+            _tile_loadd(6, at + 16 * (size_t)k, stride);
+            _tile_dpbf16ps(1, 6, 4);
+        }
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+        const int rows = d->m - 16 * b < 16 ? d->m - 16 * b : 16;
+        for (int j = 0; j < rows; j++) {
+            float *y = d->y + (size_t)(16 * b + j) * d->n + r;
+            for (int t = 0; t < 2; t++)
+                for (int i = 0; i < 16; i++) y[16 * t + i] = sums[t][i][j];
+        }
+    }
+}
+
+/* A thread's run of a task's units: the tile configuration is each thread's own. */
+__attribute__((target("amx-tile,amx-bf16,avx512f"))) static void amx_span(void *ctx, int t, int u0, int u1) {
+    const amx_job *job = (const amx_job *)ctx + t;
+    amx_config config = {.palette = 1};
+    for (int i = 0; i < 8; i++) config.rows[i] = 16, config.colsb[i] = 64;
+    _tile_loadconfig(&config);
+    for (int u = u0; u < u1; u++) {
+        const int r = u * AMX_UNIT, full = job->dot.n - r >= AMX_UNIT;
+        if (full) {
+            amx_unit(job, r);
+            continue;
+        }
+        for (int b = r; b < job->dot.n; b += DOT_NR)
+            for (int i = 0; i < job->dot.m; i += DOT_M_TILE)
+                dot_block(&job->dot, b, i, i + DOT_M_TILE < job->dot.m ? i + DOT_M_TILE : job->dot.m);
+    }
+    _tile_release();
+}
+
+/* npumoe_bf16_dot_gemm_many's products on AMX tiles, their activations already rounded (each job's xb). */
+static int amx_gemm_many(const dot_job *dots, int count, size_t weight_bytes, int threads) {
+    size_t words = 1;
+    for (int t = 0; t < count; t++) words += (size_t)(dots[t].m + 15) / 16 * 16 * dots[t].k / 2;
+    uint32_t *xv = malloc(sizeof(uint32_t) * words);
+    amx_job *jobs = malloc(sizeof(amx_job) * (count + 1));
+    int *first_unit = malloc(sizeof(int) * (count + 1));
+    if (!xv || !jobs || !first_unit) {
+        free(xv), free(jobs), free(first_unit);
+        return -1;
+    }
+    uint32_t *at = xv;
+    first_unit[0] = 0;
+    for (int t = 0; t < count; t++) {
+        const size_t size = (size_t)(dots[t].m + 15) / 16 * 16 * dots[t].k / 2;
+        if (!(t && dots[t].xb == dots[t - 1].xb)) amx_pairs(dots[t].xb, dots[t].m, dots[t].k, at), at += size;
+        jobs[t] = (amx_job){dots[t], at - size};
+        first_unit[t + 1] = first_unit[t] + (dots[t].n + AMX_UNIT - 1) / AMX_UNIT;
+    }
+    lut_parallel_tasks(amx_span, jobs, first_unit, count, weight_bytes, threads);
+    free(xv), free(jobs), free(first_unit);
+    return 0;
+}
+#endif
+
+/* Whether the dot-product GEMM uses AMX tiles where the CPU has them (the default) or AVX-512 BF16 alone: both are
+ * tested on a machine that has both. Returns whether it will use the tiles. */
+NPUMOE_API int npumoe_bf16_amx_set(int use) {
+#ifdef HAVE_AMX
+    amx_wanted = use;
+    return use && amx_usable();
+#else
+    (void)use;
+    return 0;
+#endif
+}
+
 /* The AVX-512 build's, on a CPU with AVX-512 BF16: a build forced to AVX2 stands for an AVX2 machine (which
  * takes simd_kernels.h's widening bf16 GEMM instead), so that every path can be run here. */
 NPUMOE_API int npumoe_bf16_dot_available(void) {
@@ -140,9 +283,15 @@ NPUMOE_API int npumoe_bf16_dot_gemm_many(const npumoe_bf16_task *tasks, int coun
         first_block[t + 1] = first_block[t] + (task->n + DOT_NR - 1) / DOT_NR;
         weight_bytes += (size_t)task->n * task->k * sizeof(uint16_t);
     }
-    lut_parallel_tasks(dot_span, jobs, first_block, count, weight_bytes, threads);
+    int status = 0;
+#ifdef HAVE_AMX
+    if (amx_wanted && amx_usable())
+        status = amx_gemm_many(jobs, count, weight_bytes, threads);
+    else
+#endif
+        lut_parallel_tasks(dot_span, jobs, first_block, count, weight_bytes, threads);
     free(xb), free(jobs), free(first_block);
-    return 0;
+    return status;
 #else
     (void)tasks, (void)count, (void)threads;
     return -2;

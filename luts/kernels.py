@@ -117,6 +117,7 @@ _SIGNATURES = {
     "npumoe_lut_gemm": ([_W, _P, _I, _P, _I], ctypes.c_int),
     "npumoe_lut_gemm_i8": ([_W, _P, _I, _P, _I], ctypes.c_int),
     "npumoe_lut_linear": ([_W, _P, _I, _I, _P, _I, _I, _I], ctypes.c_int),
+    "npumoe_f32_linear_rows": ([_P, _I, _I, _P, _I, _P, _I], None),
     "npumoe_stream_read": ([_P, ctypes.c_size_t, _I, ctypes.c_size_t], ctypes.c_uint64),
     "npumoe_bf16_gemv": ([_P, _P, _I, _I, _I, _P, _I], ctypes.c_int),
     "npumoe_bf16_gemv_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
@@ -313,6 +314,11 @@ class NativeCalls:
         runs, eagerly and in the native runner."""
         if self.lib.npumoe_lut_linear(w.native, x, rows, valid, y, int8_from, dequant_from, threads):
             raise MemoryError("the packed linear could not allocate its scratch")
+
+    def f32_linear_at(self, w: int, n: int, k: int, x: int, rows: int, y: int, threads: int) -> None:
+        """y [rows, n] = x [rows, k] · Wᵀ by address for W [n, k] fp32, each row the decode path's GEMV: what
+        ``npumoe::f32_linear_rows`` runs, eagerly and in the native runner."""
+        self.lib.npumoe_f32_linear_rows(w, n, k, x, rows, y, threads)
 
     def gemm_i8_many_at(self, tasks: list[tuple], threads: int) -> bool:
         """Several int8 GEMMs, each (weight.native, x address, y address, rows), in one parallel job: a prompt's

@@ -76,6 +76,14 @@ def test_the_fp32_op_is_the_weighted_sum_of_its_rows_experts():
         experts_op.swiglu_experts(torch.from_numpy(x), torch.from_numpy(ids + 3), torch.from_numpy(weights), *stacks)
 
 
+def test_the_fp32_linear_op_is_the_product():
+    rng = np.random.default_rng(1)
+    w, x = rng.standard_normal((300, 96)).astype(np.float32), rng.standard_normal((3, 96)).astype(np.float32)
+    y = linear_op.f32_linear_rows(torch.from_numpy(x), torch.from_numpy(w)).numpy()
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
+
+
 @pytest.mark.parametrize("bits, symmetric", [(4, False), (2, True), (6, False)])
 def test_the_linear_op_is_the_engines_product_for_decode_and_prompt_rows(bits, symmetric):
     rng = np.random.default_rng(bits)

@@ -120,7 +120,7 @@ def export(model, target: str, out: str | Path, plan=None, chunk: int | None = N
         lowerings = {"prefill": plugin_object(plugin(target), record.lower),
                      "decode": plugin_object(plugin(CPU if decode_on == "cpu" else target), decoder.lower)}
         module = WholeModel(program, model.weights, impls, expert_dtype=getattr(torch, record.expert_dtype),
-                            fused_experts=target == CPU)  # (a custom op no NPU partition takes)
+                            in_place=target == CPU)  # (custom ops: no NPU partition takes them)
         data = lower(module.eval(), lowerings, constants)
         if record.check:
             plugin_object(plugin(target), record.check)(data)

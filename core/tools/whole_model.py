@@ -90,6 +90,18 @@ def _or_packed(linear: Callable, valid: torch.Tensor | None) -> Callable:
     return run
 
 
+def _in_place(linear: Callable) -> Callable:
+    """The IR's linear, through ``npumoe::f32_linear_rows`` where its weight is an fp32 matrix (read where it lies)."""
+
+    def run(x, w, b=None):
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or x.dim() != 2:
+            return linear(x, w, b)
+        y = linear_op.f32_linear_rows(x, w)
+        return y if b is None else y + b
+
+    return run
+
+
 def _scatter_rows(into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``into`` with row rows[i] set to values[i]. A scatter, not an index_put: ExecuTorch's reinplace pass, which
     makes the cache writes (index_put) in place, also rewrote these and corrupted the prefill's results under
@@ -122,11 +134,11 @@ class StaticMoE(torch.nn.Module):
     runs. The others spill to a pair-by-pair path, each pair through its own expert's matrices, with slots for the
     most pairs that can spill (every pair for CPU-resident experts and unplanned layers). A decode token's pairs
     always take that path: it reads only its experts' matrices. Where the experts are plain SwiGLUs of packed
-    matrices, or of fp32 ones and ``fused`` (a CPU program), that path is one op over the stacks that reads each
+    matrices, or of fp32 ones and ``in_place`` (a CPU program), that path is one op over the stacks that reads each
     pair's matrices in place (the engine's fused decode call); else each pair's matrices are gathered for it."""
 
     def __init__(self, spec: ModelSpec, layer: int, weights, groups: list[ExpertGroup], chunk: int,
-                 dtype: torch.dtype = torch.float32, fused: bool = False):
+                 dtype: torch.dtype = torch.float32, in_place: bool = False):
         super().__init__()
         moe = spec.layers[layer].ffn
         self.dtype = dtype  # the expert products': their matrices stored so, their rows cast to it before them
@@ -145,7 +157,7 @@ class StaticMoE(torch.nn.Module):
             self.register_buffer(buffer, torch.stack([_fp32(weights[f"{expert(layer, e)}.{part}"]).to(dtype)
                                                       for e in range(moe.num_experts)]))
             self.stacked[name] = buffer
-        self.swiglu = self._swiglu_stacks(weights) if fused and self.stacked and dtype == torch.float32 else None
+        self.swiglu = self._swiglu_stacks(weights) if in_place and self.stacked and dtype == torch.float32 else None
         self.register_buffer("pair_token", torch.arange(chunk).repeat_interleave(moe.top_k))
         self.register_buffer("expert_ids", torch.arange(moe.num_experts))
         self._plan_capacities(groups, chunk)
@@ -309,13 +321,14 @@ class StaticMoE(torch.nn.Module):
 class WholeModel(torch.nn.Module):
     """Embedding, every layer, the final norm and the LM head over a KV cache of ``program.max_context`` slots; the
     IR's ops run as ``impls`` implements them (default: the reference interpreter's), the expert products in
-    ``expert_dtype``, fp32 experts' pair-by-pair path through ``npumoe::swiglu_experts`` where ``fused_experts``
-    (:class:`StaticMoE`)."""
+    ``expert_dtype``. ``in_place`` (a cpu program): fp32 experts' pair-by-pair path through ``npumoe::swiglu_experts``
+    (:class:`StaticMoE`) and an fp32 LM head through ``npumoe::f32_linear_rows``, both reading their matrices where
+    they lie (no gathered copies; no packed copy of the head, the largest matrix, in XNNPACK's memory)."""
 
     def __init__(self, program: Program, weights, impls: Mapping[str, Callable] = OP_IMPLS,
-                 expert_dtype: torch.dtype = torch.float32, fused_experts: bool = False):
+                 expert_dtype: torch.dtype = torch.float32, in_place: bool = False):
         super().__init__()
-        self.impls = impls
+        self.impls, self.in_place = impls, in_place
         spec = self.spec = program.spec
         self.program, self.chunk, self.max_context = program, program.chunk, program.max_context
         self.alias = {"lm_head.weight": "embed.weight"} if spec.tie_embeddings else {}
@@ -344,7 +357,7 @@ class WholeModel(torch.nn.Module):
             self.register_buffer(f"v_cache_{i}", torch.zeros(graph.inputs["v_cache"].shape))
             if step.moe is not None:
                 self.moe[str(i)] = StaticMoE(spec, i, weights, step.moe.groups[program.chunk], program.chunk,
-                                              expert_dtype, fused_experts)
+                                              expert_dtype, in_place)
 
     def _impls(self, valid: torch.Tensor | None) -> Mapping[str, Callable]:
         """The ops for a pass whose first ``valid`` rows are real (None: all): packed linears then compute those."""
@@ -408,7 +421,10 @@ class WholeModel(torch.nn.Module):
         return y, tally
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return evaluate(self.program.graphs[self.program.lm_head[1]], {"x": x}, self.weight, self._impls(None))["logits"]
+        impls = self._impls(None)
+        if self.in_place:
+            impls = {**impls, "linear": _in_place(impls["linear"])}
+        return evaluate(self.program.graphs[self.program.lm_head[1]], {"x": x}, self.weight, impls)["logits"]
 
 
 class Method(torch.nn.Module):

@@ -466,3 +466,13 @@ NPUMOE_API int npumoe_f32_swiglu_rows(const npumoe_f32_stack *gate, const npumoe
                                       int k, const float *x, float *y, int threads) {
     return swiglu_rows(gate, up, down, f32_stack_matrix, gate->experts, down->n, ids, weights, rows, k, x, y, threads);
 }
+
+/* y [rows][n] = x [rows][k] · Wᵀ for W [n][k] fp32 read in place, each row the decode path's GEMV
+ * (npumoe::f32_linear_rows: an exported program's LM head, of which XNNPACK would keep a packed copy). */
+NPUMOE_API void npumoe_f32_linear_rows(const float *w, int n, int k, const float *x, int rows, float *y, int threads) {
+    const npumoe_matrix m = {NULL, NULL, w, n, k};
+    for (int r = 0; r < rows; r++) {
+        const f32_task task = {&m, x + (size_t)r * k, y + (size_t)r * n};
+        f32_gemv_many(&task, 1, threads);
+    }
+}

@@ -1,6 +1,7 @@
 // npumoe's LUT kernels as ExecuTorch kernels: npumoe::lut_swiglu_experts.out and npumoe::swiglu_experts.out, a
-// layer's routed SwiGLU experts over stacked packed or fp32 matrices, and npumoe::lut_linear_rows.out, one packed
-// linear (npumoe/luts/experts_op.py and linear_op.py define the ops for export and run the same C functions eagerly).
+// layer's routed SwiGLU experts over stacked packed or fp32 matrices, and npumoe::lut_linear_rows.out and
+// npumoe::f32_linear_rows.out, one packed or fp32 linear (npumoe/luts/experts_op.py and linear_op.py define the ops
+// for export and run the same C functions eagerly).
 // The matrices are the program's constants, read where the loader put them (mapped pages), never copied.
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
@@ -32,6 +33,7 @@ typedef struct {
   const uint8_t* zeros;
   int row_blocks, k, bits, group;
 } lut_weight;
+void npumoe_f32_linear_rows(const float* w, int n, int k, const float* x, int rows, float* y, int threads);
 int npumoe_lut_linear(const lut_weight* w, const float* x, int m, int valid, float* y, int int8_from,
                       int dequant_from, int threads);
 }
@@ -130,8 +132,21 @@ Tensor& lut_linear_rows_out(KernelRuntimeContext& ctx, const Tensor& x, const Te
   return out;
 }
 
+Tensor& f32_linear_rows_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& w, Tensor& out) {
+  ET_KERNEL_CHECK(ctx,
+                  x.dim() == 2 && w.dim() == 2 && out.dim() == 2 && x.scalar_type() == ScalarType::Float &&
+                      w.scalar_type() == ScalarType::Float && out.scalar_type() == ScalarType::Float &&
+                      x.size(1) == w.size(1) && out.size(0) == x.size(0) && out.size(1) == w.size(0),
+                  InvalidArgument, out);
+  npumoe_f32_linear_rows(w.const_data_ptr<float>(), static_cast<int>(w.size(0)), static_cast<int>(w.size(1)),
+                         x.const_data_ptr<float>(), static_cast<int>(x.size(0)), out.mutable_data_ptr<float>(),
+                         threads());
+  return out;
+}
+
 }  // namespace
 
 EXECUTORCH_LIBRARY(npumoe, "lut_swiglu_experts.out", lut_swiglu_experts_out);
 EXECUTORCH_LIBRARY(npumoe, "swiglu_experts.out", swiglu_experts_out);
 EXECUTORCH_LIBRARY(npumoe, "lut_linear_rows.out", lut_linear_rows_out);
+EXECUTORCH_LIBRARY(npumoe, "f32_linear_rows.out", f32_linear_rows_out);

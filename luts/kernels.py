@@ -68,6 +68,12 @@ class LutStack(ctypes.Structure):
                 ("experts", _I)]
 
 
+class F32Stack(ctypes.Structure):
+    """Every expert's fp32 matrix of one name, stacked [experts, n, k] (``npumoe_f32_swiglu_rows``), by address."""
+
+    _fields_ = [("f32", _P), ("n", _I), ("k", _I), ("experts", _I)]
+
+
 class MoE(ctypes.Structure):
     """One MoE layer for ``npumoe_moe_decode``: an fp32 router [experts, hidden] by address, every expert's record,
     and the softmax routing's parameters."""
@@ -111,6 +117,7 @@ _SIGNATURES = {
     "npumoe_lut_gemm": ([_W, _P, _I, _P, _I], ctypes.c_int),
     "npumoe_lut_gemm_i8": ([_W, _P, _I, _P, _I], ctypes.c_int),
     "npumoe_lut_linear": ([_W, _P, _I, _I, _P, _I, _I, _I], ctypes.c_int),
+    "npumoe_f32_linear_rows": ([_P, _I, _I, _P, _I, _P, _I], None),
     "npumoe_stream_read": ([_P, ctypes.c_size_t, _I, ctypes.c_size_t], ctypes.c_uint64),
     "npumoe_bf16_gemv": ([_P, _P, _I, _I, _I, _P, _I], ctypes.c_int),
     "npumoe_bf16_gemv_many": ([ctypes.POINTER(Bf16Task), _I, _I], ctypes.c_int),
@@ -125,6 +132,7 @@ _SIGNATURES = {
     "npumoe_lut_set_prefetch": ([_I], ctypes.c_int),
     "npumoe_swiglu_experts": ([ctypes.POINTER(ctypes.POINTER(Swiglu)), _P, _I, _P, _P, _I], ctypes.c_int),
     "npumoe_lut_swiglu_rows": ([ctypes.POINTER(LutStack)] * 3 + [_P, _P, _I, _I, _P, _P, _I], ctypes.c_int),
+    "npumoe_f32_swiglu_rows": ([ctypes.POINTER(F32Stack)] * 3 + [_P, _P, _I, _I, _P, _P, _I], ctypes.c_int),
     "npumoe_route_softmax": ([_P, _P, _I, _I, _I, _I, ctypes.c_float, _P, _P, _P, _I], None),
     "npumoe_moe_decode": ([ctypes.POINTER(MoE), _P, _P, _P, _P, _P, ctypes.POINTER(ctypes.c_double), _I], ctypes.c_int),
     "npumoe_decode_step": ([ctypes.POINTER(Model), ctypes.c_int64, _I, _P, _P, _P, ctypes.POINTER(ctypes.c_double),
@@ -230,11 +238,13 @@ class NativeCalls:
         if self.lib.npumoe_lut_gemv_many(batch, len(tasks), table_bits, threads):
             raise MemoryError("the LUT-GEMV could not allocate its tables")
 
-    def lut_swiglu_rows_at(self, stacks: tuple[LutStack, LutStack, LutStack], ids: int, weights: int, rows: int,
-                           k: int, x: int, y: int, threads: int) -> None:
-        """y [rows, hidden] = Σ_j weights[r, j] · expert_{ids[r, j]}(x[r]) over stacked packed gate, up and down
-        matrices, all by address: the ExecuTorch op's body, the same code the native runner links."""
-        status = self.lib.npumoe_lut_swiglu_rows(*map(ctypes.byref, stacks), ids, weights, rows, k, x, y, threads)
+    def swiglu_rows_at(self, stacks: tuple[LutStack | F32Stack, ...], ids: int, weights: int, rows: int, k: int,
+                       x: int, y: int, threads: int) -> None:
+        """y [rows, hidden] = Σ_j weights[r, j] · expert_{ids[r, j]}(x[r]) over stacked gate, up and down matrices
+        (packed: :class:`LutStack`, or fp32: :class:`F32Stack`), all by address: the ExecuTorch ops' body, the same
+        code the native runner links."""
+        fn = self.lib.npumoe_lut_swiglu_rows if isinstance(stacks[0], LutStack) else self.lib.npumoe_f32_swiglu_rows
+        status = fn(*map(ctypes.byref, stacks), ids, weights, rows, k, x, y, threads)
         if status == -2:
             raise IndexError("an expert id is out of range of the stacked experts")
         if status:
@@ -315,6 +325,11 @@ class NativeCalls:
         runs, eagerly and in the native runner."""
         if self.lib.npumoe_lut_linear(w.native, x, rows, valid, y, int8_from, dequant_from, threads):
             raise MemoryError("the packed linear could not allocate its scratch")
+
+    def f32_linear_at(self, w: int, n: int, k: int, x: int, rows: int, y: int, threads: int) -> None:
+        """y [rows, n] = x [rows, k] · Wᵀ by address for W [n, k] fp32, each row the decode path's GEMV: what
+        ``npumoe::f32_linear_rows`` runs, eagerly and in the native runner."""
+        self.lib.npumoe_f32_linear_rows(w, n, k, x, rows, y, threads)
 
     def gemm_i8_many_at(self, tasks: list[tuple], threads: int) -> bool:
         """Several int8 GEMMs, each (weight.native, x address, y address, rows), in one parallel job: a prompt's

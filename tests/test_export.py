@@ -68,6 +68,22 @@ def test_the_runner_gives_the_engines_tokens_and_logits(demo, plan, exported, pr
     assert result["prefill_tok_s"] > 0 and result["decode_tok_s"] > 0
 
 
+def test_the_experts_pair_by_pair_path_and_the_head_are_read_in_place(demo, exported):
+    """A decode token's routed experts, and a prompt's spilled pairs, go through ``npumoe::swiglu_experts`` over the
+    stacked fp32 matrices (no gathered copies): one call a MoE layer in each method; the LM head through
+    ``npumoe::f32_linear_rows`` (no packed copy in XNNPACK's memory)."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    out, _ = exported
+    for plan in deserialize_pte_binary((out / "model.pte").read_bytes()).program.execution_plan:
+        if plan.name in ("prefill", "decode"):
+            names = [op.name for op in plan.operators]
+            calls = [names[i.instr_args.op_index] for chain in plan.chains for i in chain.instructions
+                     if hasattr(i.instr_args, "op_index")]
+            assert calls.count("npumoe::swiglu_experts") == demo.spec.num_layers, plan.name
+            assert calls.count("npumoe::f32_linear_rows") == 1, plan.name  # the LM head, read in place
+
+
 def test_the_programs_padding_and_spill_counts_are_the_engines(demo, plan, exported, prompt):
     """On held-out text, the prefill's static buffers pad and spill what the engine's do for the same plan, chunk by
     chunk (the runtime's semantics moved into the program, not changed): the counts the program returns beside its

@@ -32,9 +32,8 @@ DECODE_TOLERANCE = 5e-4
 PROMPT_TOLERANCE = 5e-3
 
 
-def swiglu_reference(x, ids, weights, packed):
-    """numpy's y[r] = Σ_j w[r, j] · down(silu(gate x) ⊙ up x) over the dequantised matrices."""
-    gate, up, down = ([spec.dequantize(p) for p in matrices] for matrices in packed)
+def swiglu_reference(x, ids, weights, gate, up, down):
+    """numpy's y[r] = Σ_j w[r, j] · down(silu(gate x) ⊙ up x), each a list of the experts' matrices."""
     y = np.zeros_like(x)
     for r in range(x.shape[0]):
         for e, w in zip(ids[r], weights[r]):
@@ -54,11 +53,35 @@ def test_the_op_is_the_weighted_sum_of_its_rows_experts(bits, symmetric):
     ids, weights = np.array([[0, 4], [2, 2], [3, 1]]), rng.random((3, 2)).astype(np.float32)
     y = experts_op.lut_swiglu_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(weights), stacks,
                                       bits, 32, inter).numpy()
-    want = swiglu_reference(x, ids, weights, packed)
+    want = swiglu_reference(x, ids, weights, *([spec.dequantize(p) for p in matrices] for matrices in packed))
     assert np.abs(y - want).max() <= 2e-2 * np.abs(want).max()  # the 8-bit activation tables' error
     with pytest.raises(IndexError):
         experts_op.lut_swiglu_experts(torch.from_numpy(x), torch.from_numpy(ids + 3), torch.from_numpy(weights),
                                       stacks, bits, 32, inter)
+
+
+def test_the_fp32_op_is_the_weighted_sum_of_its_rows_experts():
+    rng = np.random.default_rng(0)
+    experts, hidden, inter = 5, 64, 96
+    gate, up, down = (rng.standard_normal((experts, n, k)).astype(np.float32) / 8
+                      for n, k in ((inter, hidden), (inter, hidden), (hidden, inter)))
+    x = rng.standard_normal((3, hidden)).astype(np.float32)
+    ids, weights = np.array([[0, 4], [2, 2], [3, 1]]), rng.random((3, 2)).astype(np.float32)
+    stacks = [torch.from_numpy(m) for m in (gate, up, down)]
+    y = experts_op.swiglu_experts(torch.from_numpy(x), torch.from_numpy(ids), torch.from_numpy(weights),
+                                  *stacks).numpy()
+    want = swiglu_reference(x, ids, weights, gate, up, down)
+    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()  # fp32 sums in another order
+    with pytest.raises(IndexError):
+        experts_op.swiglu_experts(torch.from_numpy(x), torch.from_numpy(ids + 3), torch.from_numpy(weights), *stacks)
+
+
+def test_the_fp32_linear_op_is_the_product():
+    rng = np.random.default_rng(1)
+    w, x = rng.standard_normal((300, 96)).astype(np.float32), rng.standard_normal((3, 96)).astype(np.float32)
+    y = linear_op.f32_linear_rows(torch.from_numpy(x), torch.from_numpy(w)).numpy()
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert np.abs(y - want).max() <= 1e-5 * np.abs(want).max()
 
 
 @pytest.mark.parametrize("bits, symmetric", [(4, False), (2, True), (6, False)])

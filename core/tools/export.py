@@ -118,7 +118,8 @@ def export(model, target: str, out: str | Path, plan=None, chunk: int | None = N
         impls = plugin_object(plugin(target), record.op_impls) if record.op_impls else OP_IMPLS
         lowerings = {"prefill": plugin_object(plugin(target), record.lower),
                      "decode": plugin_object(plugin(CPU if decode_on == "cpu" else target), decoder.lower)}
-        module = WholeModel(program, model.weights, impls, expert_dtype=getattr(torch, record.expert_dtype))
+        module = WholeModel(program, model.weights, impls, expert_dtype=getattr(torch, record.expert_dtype),
+                            in_place=target == CPU)  # (custom ops: no NPU partition takes them)
         data = lower(module.eval(), lowerings, constants)
         if record.check:
             plugin_object(plugin(target), record.check)(data)

@@ -90,6 +90,18 @@ def _or_packed(linear: Callable, valid: torch.Tensor | None) -> Callable:
     return run
 
 
+def _in_place(linear: Callable) -> Callable:
+    """The IR's linear, through ``npumoe::f32_linear_rows`` where its weight is an fp32 matrix (read where it lies)."""
+
+    def run(x, w, b=None):
+        if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or x.dim() != 2:
+            return linear(x, w, b)
+        y = linear_op.f32_linear_rows(x, w)
+        return y if b is None else y + b
+
+    return run
+
+
 def _scatter_rows(into: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """``into`` with row rows[i] set to values[i]. A scatter, not an index_put: ExecuTorch's reinplace pass, which
     makes the cache writes (index_put) in place, also rewrote these and corrupted the prefill's results under
@@ -119,12 +131,14 @@ class StaticMoE(torch.nn.Module):
     A chunk's routed (token, expert) pairs are ranked within their expert in token order, as the runtime's dispatch
     ranks them; each static group launches the compiled shape whose capacities fit the chunk's loads best (the
     runtime's choice); pairs within capacity fill an [experts × width] buffer that one batched product per matrix
-    runs. The others spill to a pair-by-pair path, each pair through its own expert's matrices gathered for it,
-    with slots for the most pairs that can spill (every pair for CPU-resident experts and unplanned layers). A decode
-    token's pairs always take that path: it reads only its experts' matrices."""
+    runs. The others spill to a pair-by-pair path, each pair through its own expert's matrices, with slots for the
+    most pairs that can spill (every pair for CPU-resident experts and unplanned layers). A decode token's pairs
+    always take that path: it reads only its experts' matrices. Where the experts are plain SwiGLUs of packed
+    matrices, or of fp32 ones and ``in_place`` (a CPU program), that path is one op over the stacks that reads each
+    pair's matrices in place (the engine's fused decode call); else each pair's matrices are gathered for it."""
 
     def __init__(self, spec: ModelSpec, layer: int, weights, groups: list[ExpertGroup], chunk: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, in_place: bool = False):
         super().__init__()
         moe = spec.layers[layer].ffn
         self.dtype = dtype  # the expert products': their matrices stored so, their rows cast to it before them
@@ -143,6 +157,7 @@ class StaticMoE(torch.nn.Module):
             self.register_buffer(buffer, torch.stack([_fp32(weights[f"{expert(layer, e)}.{part}"]).to(dtype)
                                                       for e in range(moe.num_experts)]))
             self.stacked[name] = buffer
+        self.swiglu = self._swiglu_stacks(weights) if in_place and self.stacked and dtype == torch.float32 else None
         self.register_buffer("pair_token", torch.arange(chunk).repeat_interleave(moe.top_k))
         self.register_buffer("expert_ids", torch.arange(moe.num_experts))
         self._plan_capacities(groups, chunk)
@@ -167,8 +182,18 @@ class StaticMoE(torch.nn.Module):
                 self.register_buffer(f"experts_{matrix}_{field}", tensor)
         return tiled[0][0].bits, tiled[0][0].group, tiled[0][0].shape[0]
 
-    def _packed_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Row r of x [rows, H] through its experts ids[r] weighted by weights[r], in one op over the packed stacks."""
+    def _swiglu_stacks(self, weights) -> tuple[str, str, str] | None:
+        """The buffers of the gate, up and down stacks when every expert is a plain SwiGLU (its linears in that
+        order), for ``npumoe::swiglu_experts``; else None."""
+        if TorchGraphExecutor(self.graph, weights).swiglu_matrices is None:
+            return None
+        linears = [op.inputs[1][len(WEIGHT_PREFIX):] for op in self.graph.ops if op.op == "linear"]
+        return tuple(self.stacked[name] for name in linears)
+
+    def _fused_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Row r of x [rows, H] through its experts ids[r] weighted by weights[r], in one op over the stacks."""
+        if self.swiglu:
+            return experts_op.swiglu_experts(x, ids, weights, *(getattr(self, b) for b in self.swiglu))
         stacks = [tuple(getattr(self, f"experts_{m}_{f}") for f in ("tiles", "scales", "zeros"))
                   for m in ("gate", "up", "down")]
         return experts_op.lut_swiglu_experts(x, ids, weights, stacks, *self.packed)
@@ -214,16 +239,16 @@ class StaticMoE(torch.nn.Module):
         return y.to(torch.float32)
 
     def _pairs(self, x: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """Row i of x[n, H] through expert ``experts[i]``: its matrices gathered for it (packed: read in place)."""
-        if self.packed:
-            return self._packed_experts(x, experts.unsqueeze(1), torch.ones(experts.shape[0], 1))
+        """Row i of x[n, H] through expert ``experts[i]``: its matrices read in place by the fused op, or gathered."""
+        if self.packed or self.swiglu:
+            return self._fused_experts(x, experts.unsqueeze(1), torch.ones(experts.shape[0], 1))
         matrices = {name: getattr(self, buffer).index_select(0, experts) for name, buffer in self.stacked.items()}
         return self._experts(x.unsqueeze(1), matrices).squeeze(1)
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         expert_of, gate = self._route(z)
-        if self.packed:  # the routed experts and their weighted sum in one call, as the engine's fused decode
-            return self._packed_experts(z, expert_of.unsqueeze(0), gate.unsqueeze(0))
+        if self.packed or self.swiglu:  # the routed experts and their weighted sum in one call, as the engine's
+            return self._fused_experts(z, expert_of.unsqueeze(0), gate.unsqueeze(0))
         y = self._pairs(z.expand(self.top_k, -1), expert_of)
         return (y * gate.unsqueeze(1)).sum(0, keepdim=True)
 
@@ -296,12 +321,14 @@ class StaticMoE(torch.nn.Module):
 class WholeModel(torch.nn.Module):
     """Embedding, every layer, the final norm and the LM head over a KV cache of ``program.max_context`` slots; the
     IR's ops run as ``impls`` implements them (default: the reference interpreter's), the expert products in
-    ``expert_dtype``."""
+    ``expert_dtype``. ``in_place`` (a cpu program): fp32 experts' pair-by-pair path through ``npumoe::swiglu_experts``
+    (:class:`StaticMoE`) and an fp32 LM head through ``npumoe::f32_linear_rows``, both reading their matrices where
+    they lie (no gathered copies; no packed copy of the head, the largest matrix, in XNNPACK's memory)."""
 
     def __init__(self, program: Program, weights, impls: Mapping[str, Callable] = OP_IMPLS,
-                 expert_dtype: torch.dtype = torch.float32):
+                 expert_dtype: torch.dtype = torch.float32, in_place: bool = False):
         super().__init__()
-        self.impls = impls
+        self.impls, self.in_place = impls, in_place
         spec = self.spec = program.spec
         self.program, self.chunk, self.max_context = program, program.chunk, program.max_context
         self.alias = {"lm_head.weight": "embed.weight"} if spec.tie_embeddings else {}
@@ -330,7 +357,7 @@ class WholeModel(torch.nn.Module):
             self.register_buffer(f"v_cache_{i}", torch.zeros(graph.inputs["v_cache"].shape))
             if step.moe is not None:
                 self.moe[str(i)] = StaticMoE(spec, i, weights, step.moe.groups[program.chunk], program.chunk,
-                                              expert_dtype)
+                                              expert_dtype, in_place)
 
     def _impls(self, valid: torch.Tensor | None) -> Mapping[str, Callable]:
         """The ops for a pass whose first ``valid`` rows are real (None: all): packed linears then compute those."""
@@ -394,7 +421,10 @@ class WholeModel(torch.nn.Module):
         return y, tally
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
-        return evaluate(self.program.graphs[self.program.lm_head[1]], {"x": x}, self.weight, self._impls(None))["logits"]
+        impls = self._impls(None)
+        if self.in_place:
+            impls = {**impls, "linear": _in_place(impls["linear"])}
+        return evaluate(self.program.graphs[self.program.lm_head[1]], {"x": x}, self.weight, impls)["logits"]
 
 
 class Method(torch.nn.Module):

@@ -421,7 +421,7 @@ NPUMOE_API int npumoe_decode_step(const npumoe_model *model, int64_t token, int 
     return failed;
 }
 
-/* ---- routed experts over stacked packed matrices (the ExecuTorch custom op npumoe::lut_swiglu_experts) ---- */
+/* ---- routed experts over stacked matrices (the ExecuTorch custom ops npumoe::lut_swiglu_experts, swiglu_experts) ---- */
 
 typedef struct { /* every expert's packed matrix of one name, stacked as the tiled layout lays one out */
     const uint8_t *tiles;   /* [experts][row_blocks][k/32][bits][64] */
@@ -430,38 +430,75 @@ typedef struct { /* every expert's packed matrix of one name, stacked as the til
     int n, k, bits, group, experts;
 } npumoe_lut_stack;
 
-static lut_weight stacked_weight(const npumoe_lut_stack *s, int64_t e) {
+typedef struct { /* every expert's fp32 matrix of one name, stacked: [experts][n][k] */
+    const float *f32;
+    int n, k, experts;
+} npumoe_f32_stack;
+
+/* Expert e's matrix of a stack as the decode path takes it; `lut` holds a packed one's weight. */
+typedef npumoe_matrix (*stack_matrix)(const void *stack, int64_t e, lut_weight *lut);
+
+static npumoe_matrix lut_stack_matrix(const void *stack, int64_t e, lut_weight *lut) {
+    const npumoe_lut_stack *s = stack;
     const int row_blocks = (s->n + LUT_ROWS - 1) / LUT_ROWS;
     const size_t tiles = (size_t)row_blocks * (s->k / LUT_TILE_K) * s->bits * LUT_TILE_BYTES;
     const size_t params = (size_t)row_blocks * (s->k / s->group) * LUT_ROWS;
-    return (lut_weight){s->tiles + e * tiles, s->scales + e * params, s->zeros ? s->zeros + e * params : NULL,
+    *lut = (lut_weight){s->tiles + e * tiles, s->scales + e * params, s->zeros ? s->zeros + e * params : NULL,
                         row_blocks, s->k, s->bits, s->group};
+    return (npumoe_matrix){lut, NULL, NULL, s->n, s->k};
+}
+
+static npumoe_matrix f32_stack_matrix(const void *stack, int64_t e, lut_weight *lut) {
+    const npumoe_f32_stack *s = stack;
+    (void)lut;
+    return (npumoe_matrix){NULL, NULL, s->f32 + (size_t)e * s->n * s->k, s->n, s->k};
 }
 
 /* y[r] = Σ_j weights[r][j] · expert_{ids[r][j]}(x[r]) for each of `rows` rows of x [rows][hidden], k experts a row,
  * each expert down(silu(gate x) ⊙ up x) read in place from the stacks (npumoe_swiglu_experts, the engine's fused
  * decode call, per row). Returns -1 if it cannot allocate, -2 for an expert id out of range. */
-NPUMOE_API int npumoe_lut_swiglu_rows(const npumoe_lut_stack *gate, const npumoe_lut_stack *up,
-                                      const npumoe_lut_stack *down, const int64_t *ids, const float *weights, int rows,
-                                      int k, const float *x, float *y, int threads) {
-    const int hidden = down->n;
+static int swiglu_rows(const void *gate, const void *up, const void *down, stack_matrix matrix, int experts,
+                       int hidden, const int64_t *ids, const float *weights, int rows, int k, const float *x, float *y,
+                       int threads) {
     for (int i = 0; i < rows * k; i++)
-        if (ids[i] < 0 || ids[i] >= gate->experts) return -2;
+        if (ids[i] < 0 || ids[i] >= experts) return -2;
     for (int r = 0; r < rows; r++) {
         lut_weight w[3 * k];
-        npumoe_swiglu experts[k];
+        npumoe_swiglu chosen[k];
         const npumoe_swiglu *picked[k];
         for (int j = 0; j < k; j++) {
             const int64_t e = ids[(size_t)r * k + j];
-            w[3 * j] = stacked_weight(gate, e), w[3 * j + 1] = stacked_weight(up, e), w[3 * j + 2] = stacked_weight(down, e);
-            experts[j] = (npumoe_swiglu){{&w[3 * j], NULL, NULL, gate->n, gate->k},
-                                         {&w[3 * j + 1], NULL, NULL, up->n, up->k},
-                                         {&w[3 * j + 2], NULL, NULL, down->n, down->k}};
-            picked[j] = &experts[j];
+            chosen[j] = (npumoe_swiglu){matrix(gate, e, &w[3 * j]), matrix(up, e, &w[3 * j + 1]),
+                                        matrix(down, e, &w[3 * j + 2])};
+            picked[j] = &chosen[j];
         }
         if (npumoe_swiglu_experts(picked, weights + (size_t)r * k, k, x + (size_t)r * hidden, y + (size_t)r * hidden,
                                   threads))
             return -1;
     }
     return 0;
+}
+
+/* swiglu_rows over stacked packed matrices (npumoe::lut_swiglu_experts). */
+NPUMOE_API int npumoe_lut_swiglu_rows(const npumoe_lut_stack *gate, const npumoe_lut_stack *up,
+                                      const npumoe_lut_stack *down, const int64_t *ids, const float *weights, int rows,
+                                      int k, const float *x, float *y, int threads) {
+    return swiglu_rows(gate, up, down, lut_stack_matrix, gate->experts, down->n, ids, weights, rows, k, x, y, threads);
+}
+
+/* swiglu_rows over stacked fp32 matrices (npumoe::swiglu_experts: an unquantised program's experts). */
+NPUMOE_API int npumoe_f32_swiglu_rows(const npumoe_f32_stack *gate, const npumoe_f32_stack *up,
+                                      const npumoe_f32_stack *down, const int64_t *ids, const float *weights, int rows,
+                                      int k, const float *x, float *y, int threads) {
+    return swiglu_rows(gate, up, down, f32_stack_matrix, gate->experts, down->n, ids, weights, rows, k, x, y, threads);
+}
+
+/* y [rows][n] = x [rows][k] · Wᵀ for W [n][k] fp32 read in place, each row the decode path's GEMV
+ * (npumoe::f32_linear_rows: an exported program's LM head, of which XNNPACK would keep a packed copy). */
+NPUMOE_API void npumoe_f32_linear_rows(const float *w, int n, int k, const float *x, int rows, float *y, int threads) {
+    const npumoe_matrix m = {NULL, NULL, w, n, k};
+    for (int r = 0; r < rows; r++) {
+        const f32_task task = {&m, x + (size_t)r * k, y + (size_t)r * n};
+        f32_gemv_many(&task, 1, threads);
+    }
 }

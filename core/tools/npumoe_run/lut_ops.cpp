@@ -1,6 +1,7 @@
-// npumoe's LUT kernels as ExecuTorch kernels: npumoe::lut_swiglu_experts.out, a layer's routed SwiGLU experts over
-// stacked packed matrices, and npumoe::lut_linear_rows.out, one packed linear (npumoe/luts/experts_op.py and
-// linear_op.py define the ops for export and run the same C functions eagerly).
+// npumoe's LUT kernels as ExecuTorch kernels: npumoe::lut_swiglu_experts.out and npumoe::swiglu_experts.out, a
+// layer's routed SwiGLU experts over stacked packed or fp32 matrices, and npumoe::lut_linear_rows.out and
+// npumoe::f32_linear_rows.out, one packed or fp32 linear (npumoe/luts/experts_op.py and linear_op.py define the ops
+// for export and run the same C functions eagerly).
 // The matrices are the program's constants, read where the loader put them (mapped pages), never copied.
 #include <executorch/extension/kernel_util/make_boxed_from_unboxed_functor.h>
 #include <executorch/runtime/kernel/kernel_includes.h>
@@ -20,11 +21,19 @@ int npumoe_lut_swiglu_rows(const npumoe_lut_stack* gate, const npumoe_lut_stack*
                            const int64_t* ids, const float* weights, int rows, int k, const float* x, float* y,
                            int threads);
 typedef struct {
+  const float* f32;
+  int n, k, experts;
+} npumoe_f32_stack;
+int npumoe_f32_swiglu_rows(const npumoe_f32_stack* gate, const npumoe_f32_stack* up, const npumoe_f32_stack* down,
+                           const int64_t* ids, const float* weights, int rows, int k, const float* x, float* y,
+                           int threads);
+typedef struct {
   const uint8_t* tiles;
   const uint16_t* scales;
   const uint8_t* zeros;
   int row_blocks, k, bits, group;
 } lut_weight;
+void npumoe_f32_linear_rows(const float* w, int n, int k, const float* x, int rows, float* y, int threads);
 int npumoe_lut_linear(const lut_weight* w, const float* x, int m, int valid, float* y, int int8_from,
                       int dequant_from, int threads);
 }
@@ -76,6 +85,30 @@ Tensor& lut_swiglu_experts_out(KernelRuntimeContext& ctx, const Tensor& x, const
   return out;
 }
 
+npumoe_f32_stack f32_stack(const Tensor& t) {
+  return {t.const_data_ptr<float>(), static_cast<int>(t.size(1)), static_cast<int>(t.size(2)),
+          static_cast<int>(t.size(0))};
+}
+
+Tensor& swiglu_experts_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& ids, const Tensor& weights,
+                           const Tensor& gate, const Tensor& up, const Tensor& down, Tensor& out) {
+  ET_KERNEL_CHECK(ctx,
+                  x.dim() == 2 && ids.dim() == 2 && x.scalar_type() == ScalarType::Float &&
+                      ids.scalar_type() == ScalarType::Long && weights.scalar_type() == ScalarType::Float &&
+                      out.scalar_type() == ScalarType::Float && out.numel() == x.numel() &&
+                      ids.size(0) == x.size(0) && weights.numel() == ids.numel() && gate.dim() == 3 &&
+                      up.dim() == 3 && down.dim() == 3 && gate.scalar_type() == ScalarType::Float &&
+                      up.scalar_type() == ScalarType::Float && down.scalar_type() == ScalarType::Float &&
+                      gate.size(2) == x.size(1) && down.size(1) == x.size(1),
+                  InvalidArgument, out);
+  const npumoe_f32_stack g = f32_stack(gate), u = f32_stack(up), d = f32_stack(down);
+  const int status = npumoe_f32_swiglu_rows(&g, &u, &d, ids.const_data_ptr<int64_t>(), weights.const_data_ptr<float>(),
+                                            static_cast<int>(x.size(0)), static_cast<int>(ids.size(1)),
+                                            x.const_data_ptr<float>(), out.mutable_data_ptr<float>(), threads());
+  ET_KERNEL_CHECK_MSG(ctx, status == 0, InvalidArgument, out, "npumoe::swiglu_experts failed (%d)", status);
+  return out;
+}
+
 // The first valid[0] rows of x (a prefill chunk's real rows; the padding's outputs are zero) by the path the engine
 // takes for the whole chunk (npumoe_lut_linear).
 Tensor& lut_linear_rows_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& valid, const Tensor& tiles,
@@ -99,7 +132,21 @@ Tensor& lut_linear_rows_out(KernelRuntimeContext& ctx, const Tensor& x, const Te
   return out;
 }
 
+Tensor& f32_linear_rows_out(KernelRuntimeContext& ctx, const Tensor& x, const Tensor& w, Tensor& out) {
+  ET_KERNEL_CHECK(ctx,
+                  x.dim() == 2 && w.dim() == 2 && out.dim() == 2 && x.scalar_type() == ScalarType::Float &&
+                      w.scalar_type() == ScalarType::Float && out.scalar_type() == ScalarType::Float &&
+                      x.size(1) == w.size(1) && out.size(0) == x.size(0) && out.size(1) == w.size(0),
+                  InvalidArgument, out);
+  npumoe_f32_linear_rows(w.const_data_ptr<float>(), static_cast<int>(w.size(0)), static_cast<int>(w.size(1)),
+                         x.const_data_ptr<float>(), static_cast<int>(x.size(0)), out.mutable_data_ptr<float>(),
+                         threads());
+  return out;
+}
+
 }  // namespace
 
 EXECUTORCH_LIBRARY(npumoe, "lut_swiglu_experts.out", lut_swiglu_experts_out);
+EXECUTORCH_LIBRARY(npumoe, "swiglu_experts.out", swiglu_experts_out);
 EXECUTORCH_LIBRARY(npumoe, "lut_linear_rows.out", lut_linear_rows_out);
+EXECUTORCH_LIBRARY(npumoe, "f32_linear_rows.out", f32_linear_rows_out);

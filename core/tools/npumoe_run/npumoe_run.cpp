@@ -12,6 +12,7 @@
 #include <executorch/extension/module/module.h>
 #include <executorch/extension/tensor/tensor.h>
 #include <executorch/runtime/backend/interface.h>
+#include <executorch/runtime/backend/options.h>
 #include <executorch/runtime/platform/platform.h>
 #include <dlfcn.h>
 #include <unistd.h>
@@ -232,6 +233,7 @@ class Program {
     max_context = integer("get_max_context_len");
     chunk = integer("npumoe_chunk");
     for (const EValue& id : constant("get_eos_ids")) eos.push_back(id.toInt());
+    share_xnnpack_weights();
     for (const char* method : {"prefill", "decode"}) {
       check_delegates(path, method);
       if ((error = module_.load_method(method)) != Error::Ok) runtime_failed(std::string("loading ") + method, error);
@@ -273,6 +275,18 @@ class Program {
     const auto& tensor = out->at(0).toTensor();
     const float* data = tensor.const_data_ptr<float>();
     return std::vector<float>(data, data + tensor.numel());  // (copied: the next call reuses the shared arena)
+  }
+
+  // XNNPACK packs every float weight it multiplies, by default once per method that uses it (the LM head of an
+  // experts-only int4 program: a packed fp32 copy for prefill and another for decode). Its weights cache keys the
+  // packed copy by the weight's named data, which the program stores once for both methods, so both share one.
+  static void share_xnnpack_weights() {
+    constexpr char kXnnpack[] = "XnnpackBackend";
+    if (!executorch::runtime::get_backend_class(kXnnpack)) return;  // a target without XNNPACK
+    executorch::runtime::BackendOptions<1> options;
+    options.set_option("weight_cache_enabled", true);
+    Error error = executorch::runtime::set_option(kXnnpack, options.view());
+    if (error != Error::Ok) runtime_failed("enabling XNNPACK's weights cache", error);
   }
 
   // Every delegate the method uses is registered here; else one line saying where the program runs.

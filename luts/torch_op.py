@@ -223,9 +223,11 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
 def rms_norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor | None:
     """x's rows · rsqrt(mean(x²) + eps) · w in one pass of C (the decode block's own norm) where torch makes five
     over a prompt's rows; fp32 x and a fp32 or bf16 w as wide as its rows, else None (and under a tracer)."""
+    if not (_eager(x) and x.dtype == torch.float32 and w.dim() == 1 and w.shape[0] == x.shape[-1]
+            and w.dtype in (torch.float32, torch.bfloat16) and x.numel()):
+        return None  # (a tracer first: it cannot follow the kernels' loading)
     calls = _kernels().calls
-    if not (hasattr(calls, "rms_norm_rows_at") and _eager(x) and x.dtype == torch.float32 and w.dim() == 1
-            and w.shape[0] == x.shape[-1] and w.dtype in (torch.float32, torch.bfloat16) and x.numel()):
+    if not hasattr(calls, "rms_norm_rows_at"):
         return None
     x, w = x.contiguous(), w.float().contiguous()
     out = torch.empty_like(x)
@@ -236,9 +238,11 @@ def rms_norm_rows(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor 
 def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor | None:
     """x [rows, heads, d] rotated by cos and sin [rows, d] in one pass of C (the decode block's own rotation); None
     where the shapes or dtypes differ from those, and under a tracer."""
+    if not (_eager(x) and x.dim() == 3 and x.dtype == cos.dtype == sin.dtype == torch.float32
+            and cos.shape == sin.shape == (x.shape[0], x.shape[2]) and x.shape[2] % 2 == 0):
+        return None  # (a tracer first: it cannot follow the kernels' loading)
     calls = _kernels().calls
-    if not (hasattr(calls, "rope_rows_at") and _eager(x) and x.dim() == 3 and x.dtype == cos.dtype == sin.dtype
-            == torch.float32 and cos.shape == sin.shape == (x.shape[0], x.shape[2]) and x.shape[2] % 2 == 0):
+    if not hasattr(calls, "rope_rows_at"):
         return None
     out, cos, sin = x.contiguous().clone(), cos.contiguous(), sin.contiguous()
     calls.rope_rows_at(out.data_ptr(), cos.data_ptr(), sin.data_ptr(), *out.shape, interleaved)

@@ -51,11 +51,10 @@ def _rotate(x, cos, sin, interleaved):
 
 
 def _rope(x, cos, sin, *, rotary_dim, interleaved):
-    if rotary_dim == x.shape[-1] and (y := rope_rows(x, cos, sin, interleaved)) is not None:  # one pass of C
-        return y
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
     if rotary_dim == x.shape[-1]:  # (most models: no pass-through part to split off and join again)
-        return _rotate(x, cos, sin, interleaved)
+        y = rope_rows(x, cos, sin, interleaved)  # one pass of C
+        return y if y is not None else _rotate(x, cos.unsqueeze(1), sin.unsqueeze(1), interleaved)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     return torch.cat((_rotate(rot, cos, sin, interleaved), rest), dim=-1)
 

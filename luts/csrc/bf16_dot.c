@@ -102,12 +102,16 @@ __attribute__((target("avx512f"))) static void round_to_bf16(const float *x, uin
     }
 }
 
-/* A thread's run of a task's weight blocks, DOT_M_TILE activation rows at a time: the tile stays in L2 while the
- * blocks stream past it, instead of every block reading all m rows from further out. */
-static void dot_span(void *ctx, int t, int b0, int b1) {
-    const dot_job *job = (const dot_job *)ctx + t;
+/* Weight rows r0 .. r1-1 (r0 a block's first) against every activation row, DOT_M_TILE activation rows at a time:
+ * the tile stays in L2 while the blocks stream past it, instead of every block reading all m rows from further out. */
+static void dot_rows(const dot_job *job, int r0, int r1) {
     for (int i = 0; i < job->m; i += DOT_M_TILE)
-        for (int b = b0; b < b1; b++) dot_block(job, b * DOT_NR, i, i + DOT_M_TILE < job->m ? i + DOT_M_TILE : job->m);
+        for (int r = r0; r < r1; r += DOT_NR) dot_block(job, r, i, i + DOT_M_TILE < job->m ? i + DOT_M_TILE : job->m);
+}
+
+/* A thread's run of a task's weight blocks. */
+static void dot_span(void *ctx, int t, int b0, int b1) {
+    dot_rows((const dot_job *)ctx + t, b0 * DOT_NR, b1 * DOT_NR);
 }
 #endif
 
@@ -197,14 +201,11 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) static void amx_span(void *
     for (int i = 0; i < 8; i++) config.rows[i] = 16, config.colsb[i] = 64;
     _tile_loadconfig(&config);
     for (int u = u0; u < u1; u++) {
-        const int r = u * AMX_UNIT, full = job->dot.n - r >= AMX_UNIT;
-        if (full) {
+        const int r = u * AMX_UNIT;
+        if (job->dot.n - r >= AMX_UNIT)
             amx_unit(job, r);
-            continue;
-        }
-        for (int b = r; b < job->dot.n; b += DOT_NR)
-            for (int i = 0; i < job->dot.m; i += DOT_M_TILE)
-                dot_block(&job->dot, b, i, i + DOT_M_TILE < job->dot.m ? i + DOT_M_TILE : job->dot.m);
+        else
+            dot_rows(&job->dot, r, job->dot.n);
     }
     _tile_release();
 }

@@ -182,3 +182,19 @@ def test_a_non_finite_fused_step_reruns_layer_by_layer_and_names_the_layer(tmp_p
     model.weights["layers.1.attn.o.weight"][0, 0] = float("nan")  # the matrix the fused call reads
     with pytest.raises(NumericError, match="layer 1's attention"):
         engine.decode(7)
+
+
+def test_generate_builds_the_whole_step_before_its_first_decode_token(tmp_path, monkeypatch):
+    """The whole-step call's records (one per matrix) are built once, before the first decode token is timed, and
+    timed as ``decode_setup``; a generation of one token (no decode step) builds nothing."""
+    build_checkpoint(FAMILIES["mixtral"](), tmp_path)
+    engine = npumoe.Engine(npumoe.load(tmp_path), chunk=8)
+    built = []
+    of = fused.DecodeStep.of
+    monkeypatch.setattr(fused.DecodeStep, "of", lambda *a, **k: built.append(engine.metrics["seconds"].copy())
+                        or of(*a, **k))
+    engine.generate(np.arange(3, 24), max_new_tokens=1)
+    assert built == [] and "decode_setup" not in engine.metrics["seconds"]
+    engine.generate(np.arange(3, 24), max_new_tokens=4)
+    assert len(built) == 1 and "decode" not in built[0]  # built before any decode token ran
+    assert engine.metrics["seconds"]["decode_setup"] > 0

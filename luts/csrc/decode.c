@@ -41,30 +41,58 @@ static int padded_rows(const npumoe_matrix *m) { return m->lut ? m->lut->row_blo
 #endif
 typedef float dvec __attribute__((vector_size(DVL * 4)));
 
-static float dot(const float *a, const float *b, int n) {
-    dvec acc = {0};
-    int i = 0;
-    for (; i + DVL <= n; i += DVL) {
-        dvec va, vb;
-        memcpy(&va, a + i, sizeof va), memcpy(&vb, b + i, sizeof vb);
-        acc += va * vb;
-    }
-    float s = 0.0f;
-    for (int l = 0; l < DVL; l++) s += acc[l];
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
+/* The lanes' sum as a tree: one chain through them would wait on each add. */
+static inline float lanes_sum(dvec v) {
+    for (int w = DVL / 2; w > 0; w /= 2)
+        for (int l = 0; l < w; l++) v[l] += v[l + w];
+    return v[0];
 }
 
-static void axpy(float *y, float a, const float *x, int n) { /* y += a · x */
-    const dvec va = (dvec){0} + a;
+#define DOT_ROWS 4
+/* out[r] = a · b_r for the rows (≤ DOT_ROWS) b_r = b + r·stride: a chain of adds for each, side by side, where one
+ * dot product alone waits on every add (attention's keys, the router's experts). */
+static inline __attribute__((always_inline)) void dots(const float *a, const float *b, size_t stride, const int rows,
+                                                       int n, float *out) {
+    dvec acc[DOT_ROWS] = {{0}};
     int i = 0;
     for (; i + DVL <= n; i += DVL) {
-        dvec vy, vx;
-        memcpy(&vy, y + i, sizeof vy), memcpy(&vx, x + i, sizeof vx);
-        vy += va * vx;
+        dvec va;
+        memcpy(&va, a + i, sizeof va);
+        for (int r = 0; r < rows; r++) {
+            dvec vb;
+            memcpy(&vb, b + r * stride + i, sizeof vb);
+            acc[r] += va * vb;
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        out[r] = lanes_sum(acc[r]);
+        for (int t = i; t < n; t++) out[r] += a[t] * b[r * stride + t];
+    }
+}
+
+/* out[r] = a · b_r for all `rows` of b [rows][n]. */
+static void dot_rows(const float *a, const float *b, int rows, int n, float *out) {
+    int r = 0;
+    for (; r + DOT_ROWS <= rows; r += DOT_ROWS) dots(a, b + (size_t)r * n, n, DOT_ROWS, n, out + r);
+    for (; r < rows; r++) dots(a, b + (size_t)r * n, n, 1, n, out + r);
+}
+
+/* y += Σ_r a[r] · x_r for the rows (≤ DOT_ROWS) x_r = x + r·stride: y read and written once for them all. */
+static inline __attribute__((always_inline)) void axpys(float *y, const float *a, const float *x, size_t stride,
+                                                        const int rows, int n) {
+    int i = 0;
+    for (; i + DVL <= n; i += DVL) {
+        dvec vy;
+        memcpy(&vy, y + i, sizeof vy);
+        for (int r = 0; r < rows; r++) {
+            dvec vx;
+            memcpy(&vx, x + r * stride + i, sizeof vx);
+            vy += a[r] * vx;
+        }
         memcpy(y + i, &vy, sizeof vy);
     }
-    for (; i < n; i++) y[i] += a * x[i];
+    for (; i < n; i++)
+        for (int r = 0; r < rows; r++) y[i] += a[r] * x[r * stride + i];
 }
 
 /* fp32 matrices (a model computed in fp32): each row one contiguous read, prefetched as the bf16 GEMV's rows are. */
@@ -168,7 +196,9 @@ NPUMOE_API int npumoe_swiglu_experts(const npumoe_swiglu *const *experts, const 
 
 /* out = x · rsqrt(mean(x²) + eps) · w (out may be x) */
 static void rms_norm(float *out, const float *x, const float *w, int n, float eps) {
-    const float r = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);
+    float squares;
+    dots(x, x, 0, 1, n, &squares);
+    const float r = 1.0f / sqrtf(squares / (float)n + eps);
     for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
@@ -234,10 +264,14 @@ static void attention_heads(void *ctx, int h0, int h1) {
         const float *k = job->k_cache + (size_t)(h / groups) * job->capacity * d;
         const float *v = job->v_cache + (size_t)(h / groups) * job->capacity * d;
         float *s = job->scores + (size_t)h * n, *out = job->out + (size_t)h * d, top = -INFINITY, sum = 0.0f;
-        for (int j = 0; j < n; j++) s[j] = job->a->scale * dot(q, k + (size_t)j * d, d), top = s[j] > top ? s[j] : top;
+        dot_rows(q, k, n, d, s);
+        for (int j = 0; j < n; j++) s[j] *= job->a->scale, top = s[j] > top ? s[j] : top;
         for (int j = 0; j < n; j++) s[j] = expf(s[j] - top), sum += s[j];
         memset(out, 0, sizeof(float) * d);
-        for (int j = 0; j < n; j++) axpy(out, s[j] / sum, v + (size_t)j * d, d);
+        for (int j = 0; j < n; j++) s[j] /= sum;
+        int j = 0;
+        for (; j + DOT_ROWS <= n; j += DOT_ROWS) axpys(out, s + j, v + (size_t)j * d, d, DOT_ROWS, d);
+        for (; j < n; j++) axpys(out, s + j, v + (size_t)j * d, d, 1, d);
     }
 }
 
@@ -305,7 +339,7 @@ typedef struct {
 
 static void router_rows(void *ctx, int e0, int e1) {
     const router_job *job = ctx;
-    for (int e = e0; e < e1; e++) job->logits[e] = dot(job->z, job->w + (size_t)e * job->hidden, job->hidden);
+    dot_rows(job->z, job->w + (size_t)e0 * job->hidden, e1 - e0, job->hidden, job->logits + e0);
 }
 
 /* A decode token's softmax routing: logits [experts] = W z (W [experts][hidden] fp32), probabilities by softmax,

@@ -106,7 +106,8 @@ def generate_command(model_dir, dtype, prompt, ids, max_new_tokens, chunk, max_c
     click.echo(text)
     timed = eng.metrics["seconds"]
     steps = len(new) - 1  # the first new token comes from the prefill's logits
-    decode = f", decode {timed['decode'] / steps:.3g} s/token ({steps / timed['decode']:.3g} tok/s)" if steps else ""
+    decode = (f", decode setup {timed.get('decode_setup', 0.0):.3g} s, decode {timed['decode'] / steps:.3g} s/token "
+              f"({steps / timed['decode']:.3g} tok/s)") if steps else ""
     handoff = (f", hand-off {prefill_on} -> {decode_on} {timed['handoff']:.3g} s "
                f"({eng.metrics['handoff_bytes'] / 1e6:.3g} MB from the {eng.last_handoff.source})") if split else ""
     click.echo(f"[{len(tokens)} prompt + {len(new)} new tokens in {seconds:.2f} s: prefill {timed['prefill']:.3g} s "

@@ -95,6 +95,13 @@ static inline __attribute__((always_inline)) void axpys(float *y, const float *a
         for (int r = 0; r < rows; r++) y[i] += a[r] * x[r * stride + i];
 }
 
+/* y += Σ_r a[r] · x_r over all `rows` of x [rows][n]. */
+static void axpy_rows(float *y, const float *a, const float *x, int rows, int n) {
+    int r = 0;
+    for (; r + DOT_ROWS <= rows; r += DOT_ROWS) axpys(y, a + r, x + (size_t)r * n, n, DOT_ROWS, n);
+    for (; r < rows; r++) axpys(y, a + r, x + (size_t)r * n, n, 1, n);
+}
+
 /* fp32 matrices (a model computed in fp32): each row one contiguous read, prefetched as the bf16 GEMV's rows are. */
 typedef struct {
     const npumoe_matrix *m;
@@ -269,9 +276,7 @@ static void attention_heads(void *ctx, int h0, int h1) {
         for (int j = 0; j < n; j++) s[j] = expf(s[j] - top), sum += s[j];
         memset(out, 0, sizeof(float) * d);
         for (int j = 0; j < n; j++) s[j] /= sum;
-        int j = 0;
-        for (; j + DOT_ROWS <= n; j += DOT_ROWS) axpys(out, s + j, v + (size_t)j * d, d, DOT_ROWS, d);
-        for (; j < n; j++) axpys(out, s + j, v + (size_t)j * d, d, 1, d);
+        axpy_rows(out, s, v, n, d);
     }
 }
 

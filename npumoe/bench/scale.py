@@ -307,6 +307,8 @@ def run_steps(ckpt: Path, work: Path, steps: tuple[str, ...], console: Console) 
             continue
         console.print(f"[dim]npumoe {' '.join(runs[step])[:160]}[/dim]")
         results.append({"step": step, **without_stdout(measure(runs[step]))})
+        if results[-1].get("written_bytes"):
+            os.sync()  # (untimed) the next step's figures are its own, not the kernel writing this one's output back
     return results
 
 

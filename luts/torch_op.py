@@ -20,6 +20,7 @@ import torch
 
 from npumoe.core.base.errors import InputError
 from npumoe.luts import kernels, layout, spec
+from npumoe.luts.tuning import BF16_GEMV_MAX_ROWS
 
 EXACT_GEMM_FROM = 64  # rows × bits from which weights above 4 bits take the exact dequantising GEMM
 
@@ -110,7 +111,7 @@ def bf16_dot_available() -> bool:
 
 def kernels_take_bf16_prompts() -> bool:
     """Do the kernels take a bf16 model's prompt products themselves (the dot-product or the widening GEMM)?"""
-    return bf16_dot_available() or _kernels().isa in BF16_GEMM_FROM
+    return bf16_dot_available() or _kernels().crossovers.bf16_gemm is not None
 
 
 def _tiled(tiles, scales, zeros, bits: int, group: int, out_features: int, in_features: int) -> layout.TiledWeight:
@@ -162,21 +163,6 @@ def uses_int8(rows: int, bits: int, run: kernels.LutKernels | None = None) -> bo
     activations). Measurements: docs/performance.md, "Prefill paths (LUT)" and "bench neon"."""
     int8_from = path_crossovers(bits, run)[0]
     return int8_from > 0 and rows >= int8_from
-
-
-# Rows up to which the bf16 GEMV beats widening the matrix for torch's fp32 GEMM, per ISA: the AVX-512 build wins to
-# 128 rows on every shape measured; the AVX2 build loses on small matrices from 16 rows and wins on large ones to 128,
-# so 16 keeps the large matrices' decode and the small ones' prefill. NEON and portable keep AVX2's rule (not
-# measured). Measurements: docs/performance.md, "bf16 paths".
-BF16_GEMV_MAX_ROWS = {"avx512": 128, "avx2": 16, "neon": 16, "portable": 16}
-
-
-# Rows from which a bf16 matrix takes the bf16 GEMM (kernels.bf16_gemm: each weight widened once a call, exact fp32
-# arithmetic) where the CPU has no bf16 dot products, K a multiple of 16: where it starts to beat the GEMV on a
-# prompt's batched experts on AVX2 (not yet at 12-14 rows), and the middle of the 32-64 rows over which it mostly
-# does on the AVX-512 build without BF16. Past the GEMV's rows it also beats widening the matrix for torch's fp32
-# GEMM. NEON keeps AVX2's rule (not measured). Measurements: docs/performance.md, "bf16 paths".
-BF16_GEMM_FROM = {"avx512": 48, "avx2": 16, "neon": 16}
 
 
 # Rows from which a bf16 matrix takes the dot-product GEMM (AVX-512 BF16, spec.bf16_dot_gemm) on activations
@@ -332,9 +318,9 @@ def _rows_path(run: kernels.LutKernels, x: torch.Tensor, lin: LutLinear) -> str 
 
 def _bf16_path(x: torch.Tensor, w: torch.Tensor) -> str | None:
     """Which bf16 kernel takes x · Wᵀ: "dot" (the dot-product GEMM, from BF16_DOT_FROM rows where the CPU has
-    it and K is a multiple of 32), else "gemm" (the widening GEMM, from BF16_GEMM_FROM[isa] rows on SIMD builds, K
-    a multiple of 16), "gemv" (up to BF16_GEMV_MAX_ROWS[isa] rows), or None; fp32 activations, a C-contiguous bf16
-    W, outside any tracer."""
+    it and K is a multiple of 32), else "gemm" (the widening GEMM, on SIMD builds from the rows this machine's
+    crossover measured, ``crossovers.bf16_gemm``, :mod:`npumoe.luts.tuning`; K a multiple of 16), "gemv" (up to
+    BF16_GEMV_MAX_ROWS[isa] rows), or None; fp32 activations, a C-contiguous bf16 W, outside any tracer."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if not (rows and x.dtype == torch.float32 and w.dtype == torch.bfloat16 and w.is_contiguous()
@@ -342,8 +328,9 @@ def _bf16_path(x: torch.Tensor, w: torch.Tensor) -> str | None:
         return None
     if rows >= BF16_DOT_FROM and k % 32 == 0 and bf16_dot_available():
         return "dot"
-    isa = _kernels().isa
-    if rows >= BF16_GEMM_FROM.get(isa, 1 << 30) and k % 16 == 0:
+    run = _kernels()
+    isa, gemm_from = run.isa, run.crossovers.bf16_gemm
+    if gemm_from is not None and rows >= gemm_from and k % 16 == 0:
         return "gemm"
     return "gemv" if rows <= BF16_GEMV_MAX_ROWS[isa] else None
 

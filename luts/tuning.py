@@ -1,18 +1,19 @@
 """The LUT kernels' machine-dependent choices, measured on this machine at first use: the GEMV's prefetch distance
-and the row counts from which a prompt's product leaves the LUT-GEMV for a GEMM.
+and the row counts from which a prompt's product leaves the LUT-GEMV (or a bf16 one the bf16 GEMV) for a GEMM.
 
 How far ahead the GEMV asks for weight lines (``csrc/lut.h``) depends on the machine's DRAM latency and read rate:
 a distance tuned on one CPU was too far on the next. So the first process that loads a kernel build on a machine
 times the int4 GEMV over a weight larger than the caches at each distance of a small grid, in interleaved rounds,
 and keeps the fastest. Where the multi-row LUT-GEMV stops winning depends on the core's lookups against its dot
-products, so the same process times a small hot product at each row count of :data:`ROW_GRID` on each path
-(:class:`Crossovers`). The choices are cached beside the compiled libraries, keyed by the build and the CPU, so
+products (and the bf16 GEMV's on its widening one), so the same process times a small hot product at each row
+count of :data:`ROW_GRID` on each path (:class:`Crossovers`). The choices are cached beside the compiled libraries, keyed by the build and the CPU, so
 later processes read them and a changed CPU (a migrated VM, a copied cache) measures again. Timings taken while other
 processes held the cores are skewed (a busy first use once picked a prefetch distance twice the quiet one), so each
 measurement records the share of the machine others used meanwhile, and a choice made under load is measured again
 by the first process that finds the machine quiet.
-``NPUMOE_LUT_PREFETCH=<bytes>`` sets the distance and ``NPUMOE_LUT_CROSSOVERS=<int8 rows>,<rows × bits>`` (each a
-number or ``never``; ``defaults`` for the built-in ones) the crossovers by hand; with both set nothing is measured.
+``NPUMOE_LUT_PREFETCH=<bytes>`` sets the distance and ``NPUMOE_LUT_CROSSOVERS=<int8 rows>,<rows × bits>[,<bf16
+rows>]`` (each a number or ``never``; ``defaults`` for the built-in ones) the crossovers by hand; with both set
+nothing is measured.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ MIN_SWEEP_BYTES, MAX_SWEEP_BYTES = 64 << 20, 256 << 20
 BUSY = 0.25  # others' share of the machine's CPU above which a measurement is provisional
 
 
-ROW_GRID = (4, 8, 16, 32, 64, 128, 256, 512)  # prompt rows timed on each path
+ROW_GRID = (4, 8, 12, 16, 32, 64, 128, 256, 512)  # prompt rows timed on each path
 CROSSOVER_N, CROSSOVER_K = 512, 1024  # the timed product's weight (hot in cache: a prompt reads it once for all rows)
 
 
@@ -48,14 +49,26 @@ CROSSOVER_N, CROSSOVER_K = 512, 1024  # the timed product's weight (hot in cache
 class Crossovers:
     """Where a prompt's product leaves the LUT-GEMV (whose lookups grow with rows × bits): for the int8 GEMM at 3-4
     bits from ``int8`` rows, for the dequantising GEMM at 1-4 bits from ``dequant`` rows × bits; None: never (it
-    did not win up to the grid's last row count, or the build has no such path)."""
+    did not win up to the grid's last row count, or the build has no such path). A bf16 matrix leaves the bf16 GEMV
+    for the widening bf16 GEMM (on a CPU without bf16 dot products) from ``bf16_gemm`` rows: where it overtakes the
+    GEMV, and past the GEMV's rows in any case (:data:`BF16_GEMV_MAX_ROWS`: beyond them torch would widen the whole
+    matrix); None on builds without that GEMM."""
 
     int8: int | None
     dequant: int | None
+    bf16_gemm: int | None
 
 
-DEFAULT_CROSSOVERS = {"avx512": Crossovers(8, 4096), "avx2": Crossovers(8, 4096), "neon": Crossovers(8, 64),
-                      "portable": Crossovers(8, 64)}  # before measuring: docs/performance.md, "Prefill paths (LUT)"
+# Rows up to which the bf16 GEMV beats widening the matrix for torch's fp32 GEMM, per ISA: the AVX-512 build wins to
+# 128 rows on every shape measured; the AVX2 build loses on small matrices from 16 rows and wins on large ones to 128,
+# so 16 keeps the large matrices' decode and the small ones' prefill. NEON and portable keep AVX2's rule (not
+# measured). Measurements: docs/performance.md, "bf16 paths".
+BF16_GEMV_MAX_ROWS = {"avx512": 128, "avx2": 16, "neon": 16, "portable": 16}
+
+# before measuring: docs/performance.md, "Prefill paths (LUT)" and "bf16 paths" (the bf16 GEMM's: AVX2 on Zen 4,
+# and the middle of the 32-64 rows over which it mostly wins on the AVX-512 build without BF16)
+DEFAULT_CROSSOVERS = {"avx512": Crossovers(8, 4096, 48), "avx2": Crossovers(8, 4096, 16),
+                      "neon": Crossovers(8, 64, 16), "portable": Crossovers(8, 64, None)}
 
 
 @dataclass(frozen=True)
@@ -104,10 +117,11 @@ def _crossovers_from_environment(isa: str) -> Crossovers | None:
     if chosen == "defaults":
         return DEFAULT_CROSSOVERS[isa]
     fields = chosen.split(",")
-    if len(fields) != 2 or not all(f == "never" or (f.isdigit() and int(f) > 0) for f in fields):
-        raise InputError(f"NPUMOE_LUT_CROSSOVERS={chosen!r} is not '<int8 rows>,<rows × bits>' (each a positive "
-                         "number or never, e.g. 8,4096) or 'defaults'; unset it to let npumoe measure them.")
-    return Crossovers(*(None if f == "never" else int(f) for f in fields))
+    if len(fields) not in (2, 3) or not all(f == "never" or (f.isdigit() and int(f) > 0) for f in fields):
+        raise InputError(f"NPUMOE_LUT_CROSSOVERS={chosen!r} is not '<int8 rows>,<rows × bits>[,<bf16 rows>]' (each a "
+                         "positive number or never, e.g. 8,4096) or 'defaults'; unset it to let npumoe measure them.")
+    given = [None if f == "never" else int(f) for f in fields]
+    return Crossovers(*given) if len(given) == 3 else Crossovers(*given, DEFAULT_CROSSOVERS[isa].bf16_gemm)
 
 
 def _busy(share: float | None) -> bool:
@@ -116,18 +130,18 @@ def _busy(share: float | None) -> bool:
 
 def retune(isa: str, library: Path, calls, threads: int) -> Tuning:
     """Measure now (``npumoe bench lut`` does, on what should be a quiet machine), cache and set the result."""
-    tuning = measure(calls, threads)
+    tuning = measure(isa, calls, threads)
     _write(cache_path(isa, library, threads), tuning)
     calls.set_prefetch(tuning.prefetch)
     return tuning
 
 
-def measure(calls, threads: int) -> Tuning:
+def measure(isa: str, calls, threads: int) -> Tuning:
     """The prefetch sweep, then the crossovers at the chosen distance."""
     before = cpu_sample()
     prefetch, ms_by_distance = measure_prefetch(calls, threads)
     calls.set_prefetch(prefetch)
-    crossovers, ms_by_rows = measure_crossovers(calls, threads)
+    crossovers, ms_by_rows = measure_crossovers(isa, calls, threads)
     after = cpu_sample()
     others = others_cpu_share(before, after)
     return Tuning(prefetch, crossovers, "measured", ms_by_distance, ms_by_rows, round(after.wall - before.wall, 3),
@@ -160,10 +174,11 @@ def measure_prefetch(calls, threads: int) -> tuple[int, dict[str, float]]:
     return min(GRID, key=best.get), {str(d): round(best[d] * 1e3, 3) for d in GRID}
 
 
-def measure_crossovers(calls, threads: int) -> tuple[Crossovers, dict[str, dict[str, float]]]:
+def measure_crossovers(isa: str, calls, threads: int) -> tuple[Crossovers, dict[str, dict[str, float]]]:
     """Each path's best time at each row count of :data:`ROW_GRID` (interleaved rounds) on a hot
     :data:`CROSSOVER_N` × :data:`CROSSOVER_K` weight: int4 on the LUT-GEMV and the int8 GEMM, int2 on the LUT-GEMV
-    and the dequantising GEMM. The LUT-GEMV of int4 also answers for 3 bits and that of int2 for 1."""
+    and the dequantising GEMM, bf16 on the bf16 GEMV and the widening GEMM. The LUT-GEMV of int4 also answers for
+    3 bits and that of int2 for 1."""
     from npumoe.luts.layout import to_tiles
     from npumoe.luts.spec import quantize_pack
 
@@ -173,11 +188,16 @@ def measure_crossovers(calls, threads: int) -> tuple[Crossovers, dict[str, dict[
     x = rng.standard_normal((ROW_GRID[-1], CROSSOVER_K), dtype=np.float32)
     y = np.empty((ROW_GRID[-1], CROSSOVER_N), np.float32)
     int8 = hasattr(calls, "gemm_i8") and calls.gemm_i8(weights[4], x[:1], y[:1], threads)
+    bf16 = (w.view(np.uint32) >> 16).astype(np.uint16)  # (w's bf16 bits, truncated: the timing needs no rounding)
+    bf16_gemm = DEFAULT_CROSSOVERS[isa].bf16_gemm is not None
     paths = {"lut-gemv int4": lambda r: calls.gemv(weights[4], x[:r], r, 8, y[:r], None, threads),
              "lut-gemv int2": lambda r: calls.gemv(weights[2], x[:r], r, 8, y[:r], None, threads),
              "dequant gemm int2": lambda r: calls.gemm(weights[2], x[:r], y[:r], threads)}
     if int8:
         paths["int8 gemm int4"] = lambda r: calls.gemm_i8(weights[4], x[:r], y[:r], threads)
+    if bf16_gemm:
+        paths["bf16 gemv"] = lambda r: calls.bf16_gemv(bf16, x[:r], y[:r], threads)
+        paths["bf16 gemm"] = lambda r: calls.bf16_gemm(bf16, x[:r], y[:r], threads)
     best = {name: dict.fromkeys(ROW_GRID, float("inf")) for name in paths}
     start = time.perf_counter()
     for round_ in range(ROUNDS):
@@ -189,8 +209,10 @@ def measure_crossovers(calls, threads: int) -> tuple[Crossovers, dict[str, dict[
                 run(rows)
                 best[name][rows] = min(best[name][rows], time.perf_counter() - began)
     dequant = first_win(best["lut-gemv int2"], best["dequant gemm int2"])
+    gemv_past = BF16_GEMV_MAX_ROWS[isa] + 1
+    bf16_from = min(first_win(best["bf16 gemv"], best["bf16 gemm"]) or gemv_past, gemv_past) if bf16_gemm else None
     crossovers = Crossovers(first_win(best["lut-gemv int4"], best["int8 gemm int4"]) if int8 else None,
-                            None if dequant is None else dequant * 2)
+                            None if dequant is None else dequant * 2, bf16_from)
     return crossovers, {name: {str(r): round(t * 1e3, 4) for r, t in times.items()} for name, times in best.items()}
 
 
@@ -251,7 +273,7 @@ def _read(path: Path) -> Tuning | None:
                         dict(data["ms_by_rows"]), float(data["seconds"]), None if others is None else float(others))
     except (OSError, ValueError, KeyError, TypeError):
         return None  # absent, damaged or from before the crossovers: measured again
-    valid = all(c is None or (isinstance(c, int) and c > 0) for c in (crossovers.int8, crossovers.dequant))
+    valid = all(c is None or (isinstance(c, int) and c > 0) for c in asdict(crossovers).values())
     return tuning if tuning.prefetch in GRID and valid else None
 
 

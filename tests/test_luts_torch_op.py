@@ -1,5 +1,6 @@
 """npumoe::lut_linear against the numpy spec, and torch.export of a module that uses it."""
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -112,7 +113,7 @@ def test_bf16_linear_takes_the_path_its_rows_call_for(rows, dot, monkeypatch):
     path = torch_op._bf16_path(x, w)
     isa = _kernels().isa
     assert path == ("dot" if dot and BF16_DOT and rows >= torch_op.BF16_DOT_FROM
-                    else "gemm" if rows >= torch_op.BF16_GEMM_FROM.get(isa, 1 << 30)
+                    else "gemm" if rows >= (_kernels().crossovers.bf16_gemm or 1 << 30)
                     else "gemv" if rows <= BF16_GEMV_MAX_ROWS[isa] else None)
     torch.testing.assert_close(OP_IMPLS["linear"](x, w, b), bf16_truth(x, w, b), rtol=0, atol=1e-4)
     assert (bf16_linear(x, w) is None) == (path is None)
@@ -181,7 +182,8 @@ def test_bf16_rows_computed_together_equal_each_row_alone(rows, outputs, inputs,
     output still sums the same products in the same order as a one-row call: bit for bit."""
     from npumoe.luts.torch_op import bf16_linear
 
-    monkeypatch.setattr(torch_op, "BF16_GEMM_FROM", {})  # the GEMV alone
+    run = torch_op._kernels()
+    monkeypatch.setattr(run, "crossovers", dataclasses.replace(run.crossovers, bf16_gemm=None))  # the GEMV alone
 
     torch.manual_seed(rows)
     w, x = torch.randn(outputs, inputs).to(torch.bfloat16), torch.randn(rows, inputs)
@@ -223,7 +225,7 @@ def test_bf16_gemms_past_the_transposition_budget_run_in_groups():
     """Tasks whose transposed inputs pass the widening GEMM's budget (16M floats; two distinct 1024 x 8192 inputs
     here) run a group at a time, and still give what each call alone gives, bit for bit (SIMD builds)."""
     calls = torch_op._kernels().calls
-    if not hasattr(calls, "bf16_gemm_many_at") or torch_op._kernels().isa not in torch_op.BF16_GEMM_FROM:
+    if not hasattr(calls, "bf16_gemm_many_at") or torch_op._kernels().crossovers.bf16_gemm is None:
         pytest.skip("the widening bf16 GEMM runs on SIMD builds, natively")
     torch.manual_seed(5)
     xs = [torch.randn(1024, 8192), torch.randn(1024, 8192), torch.randn(40, 8192)]

@@ -75,8 +75,10 @@ def test_a_damaged_cache_entry_is_measured_again(small_sweep):
     (entry,) = small_sweep.parent.glob("tuning-avx2-*.json")
     for damage in ("{", '{"prefetch": 999, "ms_by_distance": {}, "seconds": 0}', "",
                    '{"prefetch": 4096, "ms_by_distance": {}, "seconds": 0}',  # from before the crossovers
-                   '{"prefetch": 4096, "crossovers": {"int8": -1, "dequant": null}, "ms_by_distance": {}, '
-                   '"ms_by_rows": {}, "seconds": 0}'):
+                   '{"prefetch": 4096, "crossovers": {"int8": -1, "dequant": null, "bf16_gemm": 16}, '
+                   '"ms_by_distance": {}, "ms_by_rows": {}, "seconds": 0}',
+                   '{"prefetch": 4096, "crossovers": {"int8": 8, "dequant": null}, "ms_by_distance": {}, '
+                   '"ms_by_rows": {}, "seconds": 0}'):  # from before the bf16 GEMM's crossover
         entry.write_text(damage)
         assert tuning.tune("avx2", small_sweep, calls, threads=1).source == "measured"
 
@@ -88,13 +90,15 @@ def test_the_environment_sets_the_choices_without_measuring(small_sweep, monkeyp
     monkeypatch.setenv("NPUMOE_LUT_PREFETCH", "20000")
     monkeypatch.setenv("NPUMOE_LUT_CROSSOVERS", "16,never")
     chosen = tuning.tune("avx2", small_sweep, calls, threads=1)
-    assert (chosen.source, chosen.prefetch, chosen.crossovers) == ("environment", 20000, tuning.Crossovers(16, None))
+    assert (chosen.source, chosen.prefetch, chosen.crossovers) == ("environment", 20000, tuning.Crossovers(16, None, 16))
+    monkeypatch.setenv("NPUMOE_LUT_CROSSOVERS", "16,never,24")  # the bf16 GEMM's too
+    assert tuning.tune("avx2", small_sweep, calls, threads=1).crossovers == tuning.Crossovers(16, None, 24)
     monkeypatch.setenv("NPUMOE_LUT_CROSSOVERS", "defaults")
     assert tuning.tune("avx2", small_sweep, calls, threads=1).crossovers == tuning.DEFAULT_CROSSOVERS["avx2"]
     assert not list(small_sweep.parent.glob("tuning-*.json"))
     for name, bad in [("NPUMOE_LUT_PREFETCH", "far"), ("NPUMOE_LUT_PREFETCH", "64"), ("NPUMOE_LUT_PREFETCH", "-1"),
                       ("NPUMOE_LUT_CROSSOVERS", "8"), ("NPUMOE_LUT_CROSSOVERS", "0,64"),
-                      ("NPUMOE_LUT_CROSSOVERS", "8,sometimes")]:
+                      ("NPUMOE_LUT_CROSSOVERS", "8,sometimes"), ("NPUMOE_LUT_CROSSOVERS", "8,64,16,4")]:
         with monkeypatch.context() as m:
             m.setenv(name, bad)
             with pytest.raises(InputError, match=name):
@@ -113,6 +117,9 @@ def test_the_crossovers_are_where_the_measured_times_cross(small_sweep):
     assert chosen.crossovers.dequant == (None if dequant is None else 2 * dequant)
     if "int8 gemm int4" in times:  # builds with byte dot products
         assert chosen.crossovers.int8 == tuning.first_win(times["lut-gemv int4"], times["int8 gemm int4"])
+    past_gemv = tuning.BF16_GEMV_MAX_ROWS["avx2"] + 1  # the bf16 GEMM from where it wins, past the GEMV's rows anyway
+    bf16 = tuning.first_win(times["bf16 gemv"], times["bf16 gemm"])
+    assert chosen.crossovers.bf16_gemm == min(bf16 or past_gemv, past_gemv)
 
 
 @pytest.mark.skipif(not PREFETCHING, reason="this CPU runs only the portable kernel, which prefetches nothing")
@@ -132,7 +139,7 @@ def test_a_choice_measured_on_a_busy_machine_is_measured_again_once_it_is_quiet(
     kept = tuning.tune("avx2", small_sweep, calls, threads=1)
     assert (kept.source, kept.prefetch, kept.provisional) == ("cached", 4096, True)
 
-    quiet = tuning.Tuning(24576, tuning.Crossovers(8, None), "measured", {}, {}, 0.1, 0.02)
+    quiet = tuning.Tuning(24576, tuning.Crossovers(8, None, 16), "measured", {}, {}, 0.1, 0.02)
     monkeypatch.setattr(tuning, "others_cpu_share_now", lambda: 0.05)
     monkeypatch.setattr(tuning, "measure", lambda *a: quiet)
     assert tuning.tune("avx2", small_sweep, calls, threads=1) == quiet
@@ -169,11 +176,11 @@ def test_first_win_is_where_the_challenger_stays_ahead():
 
 
 @pytest.mark.parametrize("crossovers, rows, path", [
-    (tuning.Crossovers(16, 64), 15, "LUT-GEMV"),
-    (tuning.Crossovers(16, 64), 16, "int8 GEMM"),
-    (tuning.Crossovers(None, 64), 16, "dequant GEMM"),  # 16 rows × 4 bits
-    (tuning.Crossovers(None, 128), 16, "LUT-GEMV"),
-    (tuning.Crossovers(None, None), 512, "LUT-GEMV"),
+    (tuning.Crossovers(16, 64, 16), 15, "LUT-GEMV"),
+    (tuning.Crossovers(16, 64, 16), 16, "int8 GEMM"),
+    (tuning.Crossovers(None, 64, 16), 16, "dequant GEMM"),  # 16 rows × 4 bits
+    (tuning.Crossovers(None, 128, 16), 16, "LUT-GEMV"),
+    (tuning.Crossovers(None, None, 16), 512, "LUT-GEMV"),
 ])
 def test_the_ops_path_follows_the_crossovers(crossovers, rows, path):
     from npumoe.luts import torch_op

@@ -53,9 +53,10 @@ def render(result: dict, console: Console) -> None:
     for path, by_rows in chosen["ms_by_rows"].items():
         crossing.add_row(path, *(f"{by_rows[r]:.3f}" for r in rows))
     console.print(crossing)
-    int8, dequant = chosen["crossovers"]["int8"], chosen["crossovers"]["dequant"]
+    int8, dequant, bf16 = (chosen["crossovers"][name] for name in ("int8", "dequant", "bf16_gemm"))
     console.print(f"int8 GEMM (3-4 bits) from {int8 or 'never'} rows; dequantising GEMM (1-4 bits) from "
-                  f"{dequant or 'never'} rows × bits; the LUT-GEMV below")
+                  f"{dequant or 'never'} rows × bits; the LUT-GEMV below. bf16 (no dot products): the widening GEMM "
+                  f"from {bf16 or 'never'} rows, the bf16 GEMV below")
     console.print("goals: ≥ 0.92 of BW (int4, int2; issue 34); ≥ 6.5× (int4) and ≥ 10× (int2) fp32 GEMV; "
                   "prefill ≥ 1× fp32")
     console.print(f"load average {result['load_before'][0]:.2f} before, {result['load_after'][0]:.2f} after, "

@@ -6,11 +6,11 @@ a distance tuned on one CPU was too far on the next. So the first process that l
 times the int4 GEMV over a weight larger than the caches at each distance of a small grid, in interleaved rounds,
 and keeps the fastest. Where the multi-row LUT-GEMV stops winning depends on the core's lookups against its dot
 products (and the bf16 GEMV's on its widening one), so the same process times a small hot product at each row
-count of :data:`ROW_GRID` on each path (:class:`Crossovers`). The choices are cached beside the compiled libraries, keyed by the build and the CPU, so
-later processes read them and a changed CPU (a migrated VM, a copied cache) measures again. Timings taken while other
-processes held the cores are skewed (a busy first use once picked a prefetch distance twice the quiet one), so each
-measurement records the share of the machine others used meanwhile, and a choice made under load is measured again
-by the first process that finds the machine quiet.
+count of :data:`ROW_GRID` on each path (:class:`Crossovers`). The choices are cached beside the compiled libraries,
+keyed by the build and the CPU, so later processes read them and a changed CPU (a migrated VM, a copied cache)
+measures again. Timings taken while other processes held the cores are skewed (a busy first use once picked a
+prefetch distance twice the quiet one), so each measurement records the share of the machine others used meanwhile,
+and a choice made under load is measured again by the first process that finds the machine quiet.
 ``NPUMOE_LUT_PREFETCH=<bytes>`` sets the distance and ``NPUMOE_LUT_CROSSOVERS=<int8 rows>,<rows × bits>[,<bf16
 rows>]`` (each a number or ``never``; ``defaults`` for the built-in ones) the crossovers by hand; with both set
 nothing is measured.

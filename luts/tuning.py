@@ -189,7 +189,9 @@ def measure_crossovers(isa: str, calls, threads: int) -> tuple[Crossovers, dict[
     y = np.empty((ROW_GRID[-1], CROSSOVER_N), np.float32)
     int8 = hasattr(calls, "gemm_i8") and calls.gemm_i8(weights[4], x[:1], y[:1], threads)
     bf16 = (w.view(np.uint32) >> 16).astype(np.uint16)  # (w's bf16 bits, truncated: the timing needs no rounding)
-    bf16_gemm = DEFAULT_CROSSOVERS[isa].bf16_gemm is not None
+    # the widening bf16 GEMM's start, where the build has that GEMM and the CPU no dot products (which take a bf16
+    # prompt from two rows: timing it there would only thin the other paths' rounds within the budget)
+    bf16_gemm = DEFAULT_CROSSOVERS[isa].bf16_gemm is not None and not getattr(calls, "bf16_dot", False)
     paths = {"lut-gemv int4": lambda r: calls.gemv(weights[4], x[:r], r, 8, y[:r], None, threads),
              "lut-gemv int2": lambda r: calls.gemv(weights[2], x[:r], r, 8, y[:r], None, threads),
              "dequant gemm int2": lambda r: calls.gemm(weights[2], x[:r], y[:r], threads)}
@@ -210,7 +212,8 @@ def measure_crossovers(isa: str, calls, threads: int) -> tuple[Crossovers, dict[
                 best[name][rows] = min(best[name][rows], time.perf_counter() - began)
     dequant = first_win(best["lut-gemv int2"], best["dequant gemm int2"])
     gemv_past = BF16_GEMV_MAX_ROWS[isa] + 1
-    bf16_from = min(first_win(best["bf16 gemv"], best["bf16 gemm"]) or gemv_past, gemv_past) if bf16_gemm else None
+    bf16_from = (min(first_win(best["bf16 gemv"], best["bf16 gemm"]) or gemv_past, gemv_past) if bf16_gemm
+                 else DEFAULT_CROSSOVERS[isa].bf16_gemm)
     crossovers = Crossovers(first_win(best["lut-gemv int4"], best["int8 gemm int4"]) if int8 else None,
                             None if dequant is None else dequant * 2, bf16_from)
     return crossovers, {name: {str(r): round(t * 1e3, 4) for r, t in times.items()} for name, times in best.items()}
